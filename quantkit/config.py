@@ -1,0 +1,177 @@
+"""Frozen dataclasses for every quantization scheme, and the YAML recipes that fill them.
+
+A recipe is a YAML mapping whose keys are the fields of `QuantizeConfig` (nested mappings for
+`weight`, `calib`, `awq`, `kv`). CLI flags override what a recipe says; a flag left unset keeps
+the recipe's value, and a field neither sets keeps the dataclass default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+METHODS = ("rtn", "int8", "awq")
+FORMATS = ("awq", "compressed-tensors")
+GROUP_SIZES_DOC = "32, 64, 128 or -1 (one group per output channel)"
+
+
+class UserError(ValueError):
+    """A problem the user can fix (bad path, setting or data); the CLI prints it as one line, exit 2."""
+
+
+class ConfigError(UserError):
+    """A setting a user chose is invalid; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class WeightQuantConfig:
+    """Integer weight quantization: `bits` per weight, one scale (and zero) per `group_size` inputs."""
+
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = False
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise ConfigError(f"--w-bits {self.bits} is not supported: choose 2 to 8.")
+        if self.group_size != -1 and self.group_size < 8:
+            raise ConfigError(f"--group-size {self.group_size} is not supported: use {GROUP_SIZES_DOC}.")
+
+    def groups_for(self, in_features: int) -> int:
+        """How many groups an input dimension of `in_features` splits into."""
+        return 1 if self.group_size == -1 else in_features // self.group_size
+
+    def effective_group_size(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    """Which text calibrates the model and how much of it."""
+
+    dataset: str = "ptb"
+    samples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    data_dir: Optional[str] = None
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.seqlen < 2:
+            raise ConfigError("--calib-samples must be ≥ 1 and --calib-seqlen ≥ 2.")
+        if self.batch_size < 1:
+            raise ConfigError("--batch-size must be ≥ 1.")
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """Settings of the activation-aware scale and clip search."""
+
+    n_grid: int = 20
+    duo_scaling: bool = True
+    max_shrink: float = 0.5
+    clip: bool = True
+    search_tokens: int = 4096
+    clip_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class KVQuantConfig:
+    """Quantized KV cache: `bits` 8 or 4; scales computed per token online or static from calibration."""
+
+    bits: int = 8
+    scales: Literal["online", "static"] = "online"
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8, 16):
+            raise ConfigError(f"--kv-bits {self.bits} is not supported: choose 16 (off), 8 or 4.")
+        if self.scales not in ("online", "static"):
+            raise ConfigError(f"--kv-scales {self.scales!r} is not supported: choose online or static.")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """Everything a quantization run needs besides the model and the output directory."""
+
+    method: str = "rtn"
+    weight: WeightQuantConfig = field(default_factory=WeightQuantConfig)
+    format: Optional[str] = None
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    awq: AWQConfig = field(default_factory=AWQConfig)
+    device: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method {self.method!r} is unknown: choose one of {', '.join(METHODS)}.")
+        fmt = self.resolved_format
+        if fmt not in FORMATS:
+            raise ConfigError(f"--format {fmt!r} is unknown: choose awq or compressed-tensors.")
+        if fmt == "awq" and self.weight.bits != 4:
+            raise ConfigError(
+                f"--w-bits {self.weight.bits} cannot be written as --format awq (AWQ gemm is 4-bit only): "
+                "use --w-bits 4 or --format compressed-tensors."
+            )
+        if fmt == "compressed-tensors" and self.weight.bits not in (4, 8):
+            raise ConfigError(
+                f"--w-bits {self.weight.bits} cannot be packed for vLLM: compressed-tensors takes 4 or 8 bits."
+            )
+
+    @property
+    def resolved_format(self) -> str:
+        """The on-disk format: the one asked for, else AWQ gemm for 4-bit and compressed-tensors otherwise."""
+        if self.format:
+            return self.format
+        return "awq" if self.weight.bits == 4 else "compressed-tensors"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_NESTED = {"weight": WeightQuantConfig, "calib": CalibConfig, "awq": AWQConfig}
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """Read a YAML recipe into a plain mapping (validated when it is turned into a config)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe {p} does not exist: pass a YAML file such as recipes/w4g128-rtn.yaml.")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {p} is not valid YAML: {exc}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {p} must be a mapping of settings, not {type(data).__name__}.")
+    return data
+
+
+def build_config(recipe: Optional[dict[str, Any]] = None, **overrides: Any) -> QuantizeConfig:
+    """Merge a recipe with overrides (dotted keys such as ``weight.bits``; None means 'not set')."""
+    merged: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (recipe or {}).items()}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if "." in key:
+            outer, inner = key.split(".", 1)
+            merged.setdefault(outer, {})[inner] = value
+        else:
+            merged[key] = value
+    known = {f.name for f in dataclasses.fields(QuantizeConfig)}
+    unknown = set(merged) - known
+    if unknown:
+        raise ConfigError(f"unknown recipe keys {sorted(unknown)}: allowed are {sorted(known)}.")
+    kwargs: dict[str, Any] = {}
+    for key, value in merged.items():
+        if key in _NESTED:
+            cls = _NESTED[key]
+            allowed = {f.name for f in dataclasses.fields(cls)}
+            bad = set(value) - allowed
+            if bad:
+                raise ConfigError(f"unknown keys {sorted(bad)} under {key!r}: allowed are {sorted(allowed)}.")
+            kwargs[key] = cls(**value)
+        else:
+            kwargs[key] = value
+    return QuantizeConfig(**kwargs)

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity and model comparisons."""

@@ -1,0 +1,1 @@
+"""Kernels: the torch reference (the oracle every fast kernel is tested against) and Triton kernels."""

@@ -1,0 +1,72 @@
+"""Torch reference kernels: dequantize packed weights, then a plain matrix product.
+
+They consume the two packed layouts the loader holds, described by their constants here so that a
+kernel needs nothing from quantkit.formats:
+- "awq": qweight int32 [in, out/8] with nibble i of each word holding column AWQ_NIBBLE_COLUMN[i]
+  of its block of eight, qzeros int32 [groups, out/8] likewise, scales [groups, out].
+- "packed": weight_packed int32 [out, ceil(in·b/32)] with values packed sequentially along the
+  input dimension, scales [out, groups], zero points packed sequentially along the output dimension.
+Both mean W = (q − z) · s with unsigned q and z.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+AWQ_NIBBLE_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)
+_AWQ_COLUMN_NIBBLE = tuple(AWQ_NIBBLE_COLUMN.index(j) for j in range(8))
+
+
+def _awq_ints(packed: torch.Tensor) -> torch.Tensor:
+    rows, words = packed.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nib = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return nib[:, :, list(_AWQ_COLUMN_NIBBLE)].reshape(rows, words * 8)
+
+
+def _seq_ints(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    per_word = 32 // bits
+    shifts = torch.arange(0, bits * per_word, bits, dtype=torch.int32, device=packed.device)
+    v = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return v.reshape(packed.shape[0], -1)[:, :n]
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W [out, in] in float32 from the AWQ gemm tensors."""
+    q = _awq_ints(qweight)  # [in, out]
+    z = _awq_ints(qzeros).repeat_interleave(group_size, dim=0)
+    s = scales.repeat_interleave(group_size, dim=0)
+    return ((q - z).float() * s.float()).t()
+
+
+def dequantize_packed(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """W [out, in] in float32 from pack-quantized tensors (zero 2^(b−1) when symmetric)."""
+    q = _seq_ints(weight_packed, bits, in_features)
+    if weight_zero_point is None:
+        z = torch.full_like(weight_scale, 2 ** (bits - 1), dtype=torch.int32)
+    else:
+        z = _seq_ints(weight_zero_point.t().contiguous(), bits, out_features).t()
+    z = z.repeat_interleave(group_size, dim=1)
+    s = weight_scale.repeat_interleave(group_size, dim=1)
+    return (q - z).float() * s.float()
+
+
+def linear_awq(x, qweight, qzeros, scales, group_size, bias=None) -> torch.Tensor:
+    """y = x Wᵀ + b with W from AWQ gemm tensors, computed in x's dtype."""
+    w = dequantize_awq(qweight, qzeros, scales, group_size).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def linear_packed(x, weight_packed, weight_scale, weight_zero_point, out_features, in_features, bits, group_size, bias=None):
+    """y = x Wᵀ + b with W from pack-quantized tensors, computed in x's dtype."""
+    w = dequantize_packed(weight_packed, weight_scale, weight_zero_point, out_features, in_features, bits, group_size)
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

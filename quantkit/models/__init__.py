@@ -1,0 +1,16 @@
+"""Architecture registry and model loading."""
+
+from quantkit.models import internlm2, llama_family  # noqa: F401  (register the families)
+from quantkit.models.registry import (
+    ArchSpec,
+    ScaleGroup,
+    UnsupportedArchitecture,
+    spec_for_architecture,
+    spec_for_config,
+    supported_architectures,
+)
+
+__all__ = [
+    "ArchSpec", "ScaleGroup", "UnsupportedArchitecture",
+    "spec_for_architecture", "spec_for_config", "supported_architectures",
+]

@@ -1,0 +1,86 @@
+"""The architecture registry: what a decoder block is made of, as data.
+
+Each family is one `ArchSpec`: where the decoder layers live, which linears a block has, and the
+AWQ scaling groups — the op whose output feeds some linears (scales fold into it), those linears,
+and the module whose output measures the loss of a candidate scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from quantkit.config import UserError
+
+
+class UnsupportedArchitecture(UserError):
+    """The checkpoint's architecture has no registry entry."""
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """`prev` (a norm or linear, relative to the block) feeds `linears`; `loss_module` measures them.
+
+    `needs_equal_shapes` marks v→o, valid only when every o input channel has its own v output row
+    (no grouped-query attention), unless the driver handles GQA itself.
+    """
+
+    prev: str
+    linears: tuple[str, ...]
+    loss_module: str
+    needs_equal_shapes: bool = False
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One model family."""
+
+    name: str
+    architectures: tuple[str, ...]
+    layers_path: str = "model.layers"
+    linears: tuple[str, ...] = ()
+    groups: tuple[ScaleGroup, ...] = ()
+    # Modules never quantized (their names as the export lists them in modules_to_not_convert).
+    keep_fp: tuple[str, ...] = ("lm_head",)
+    # The architecture name written into an exported config.json (InternLM2 exports as Llama).
+    export_architecture: Optional[str] = None
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, ArchSpec] = {}
+
+
+def register(spec: ArchSpec) -> ArchSpec:
+    for arch in spec.architectures:
+        _REGISTRY[arch] = spec
+    return spec
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def spec_for_architecture(architecture: str) -> ArchSpec:
+    """The registry entry for an architecture name such as 'LlamaForCausalLM'."""
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise UnsupportedArchitecture(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
+        ) from None
+
+
+def spec_for_config(config: Any) -> ArchSpec:
+    """The registry entry for a transformers config (or a config.json mapping)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    archs = get("architectures") or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch]
+    model_type = get("model_type")
+    for spec in _REGISTRY.values():
+        if spec.name == model_type:
+            return spec
+    name = archs[0] if archs else (model_type or "unknown")
+    return spec_for_architecture(name)

@@ -1,0 +1,123 @@
+"""`quantize()`: the one library call behind `quantkit rtn`, `quantkit int8` and `quantkit awq`."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from quantkit.config import QuantizeConfig
+from quantkit.data import (
+    TextSource,
+    calibration_windows,
+    load_calibration,
+    tokenize_text,
+)
+from quantkit.formats.checkpoint import check_work_dir
+from quantkit.models.loading import LoadedModel, load_fp_model
+from quantkit.models.registry import spec_for_config
+from quantkit.quantize.export import write_export
+from quantkit.quantize.rtn import check_group_size, rtn_quantize
+
+log = logging.getLogger(__name__)
+
+Calib = Union[None, str, Sequence[str], torch.Tensor]
+
+
+@dataclass
+class QuantizeResult:
+    """What a run produced: the checkpoint path (if written), the report and the quantized weights."""
+
+    work_dir: Optional[Path]
+    report: dict[str, Any]
+    qweights: dict = field(repr=False, default_factory=dict)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import quantkit
+
+    return {"quantkit": quantkit.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def resolve_calibration(loaded: LoadedModel, config: QuantizeConfig, calib: Calib) -> tuple[torch.Tensor, dict]:
+    """Token windows [n, seqlen] from a dataset name/path, a list of texts or ready token windows."""
+    c = config.calib
+    if isinstance(calib, torch.Tensor):
+        windows = calib.long()
+        return windows, {"kind": "token windows", "shape": list(windows.shape)}
+    if calib is not None and not isinstance(calib, str):
+        tokens = tokenize_text(loaded.tokenizer, "\n\n".join(calib))
+        windows = calibration_windows(tokens, c.samples, min(c.seqlen, tokens.numel() - 1), c.seed)
+        return windows, {"kind": "texts", "texts": len(calib), "samples": c.samples, "seqlen": windows.shape[1], "seed": c.seed}
+    dataset = calib if isinstance(calib, str) else c.dataset
+    windows, source = load_calibration(loaded.tokenizer, dataset, c.samples, c.seqlen, c.seed, c.data_dir)
+    return windows, {"kind": "dataset", "dataset": source.name, "split": source.split, "origin": source.origin,
+                     "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed}
+
+
+def _load(model_or_path: Any, tokenizer: Any = None) -> LoadedModel:
+    if isinstance(model_or_path, LoadedModel):
+        return model_or_path
+    if isinstance(model_or_path, (str, Path)):
+        return load_fp_model(model_or_path)
+    if tokenizer is None:
+        raise ValueError("quantize(model, …) with an in-memory model needs tokenizer=… as well")
+    return LoadedModel(model_or_path, tokenizer, spec_for_config(model_or_path.config), "in-memory model")
+
+
+def quantize(
+    model_or_path: Any,
+    config: QuantizeConfig,
+    calib: Calib = None,
+    work_dir: Optional[Union[str, Path]] = None,
+    overwrite: bool = False,
+    tokenizer: Any = None,
+    progress: bool = True,
+) -> QuantizeResult:
+    """Quantize a model (path, `LoadedModel` or transformers model + `tokenizer`) under `config`.
+
+    `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN and int8
+    need none. With `work_dir` the packed checkpoint is written there (atomically). The model's
+    weights are changed in place by AWQ's scale folding.
+    """
+    if work_dir is not None:
+        check_work_dir(Path(work_dir), overwrite)
+    t0 = time.perf_counter()
+    loaded = _load(model_or_path, tokenizer)
+    timings: dict[str, float] = {"load": time.perf_counter() - t0}
+    check_group_size(loaded.model, loaded.spec, config.weight)
+    report: dict[str, Any] = {"method": config.method, "config": config.to_dict(), "format": config.resolved_format,
+                              "source": loaded.source, "architecture": loaded.spec.name}
+    t1 = time.perf_counter()
+    if config.method == "awq":
+        from quantkit.quantize.awq import awq_quantize
+
+        windows, report["calibration"] = resolve_calibration(loaded, config, calib)
+        qweights = awq_quantize(loaded.model, loaded.spec, config, windows, report, progress=progress)
+    else:
+        report["calibration"] = None
+        qweights = rtn_quantize(loaded.model, loaded.spec, config.weight, progress=progress)
+    timings["quantize"] = time.perf_counter() - t1
+    report["timings_s"] = timings
+    report["versions"] = _versions()
+    out = None
+    if work_dir is not None:
+        t2 = time.perf_counter()
+        report["peak_host_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+        if torch.cuda.is_available():
+            report["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+        report["wall_time_s"] = time.perf_counter() - t0
+        out = write_export(loaded, qweights, config, Path(work_dir), report, overwrite=overwrite)
+        timings["write"] = time.perf_counter() - t2
+        log.info("wrote %s in %.1fs", out, timings["write"])
+    report["wall_time_s"] = time.perf_counter() - t0
+    return QuantizeResult(out, report, qweights)

@@ -1,0 +1,91 @@
+"""Turn a model plus its quantized linears into checkpoint tensors and config, and write them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.config import QuantizeConfig
+from quantkit.formats import awq_gemm, compressed_tensors
+from quantkit.formats.checkpoint import write_checkpoint
+from quantkit.models.loading import LoadedModel
+from quantkit.quantize.primitives import QuantizedWeight
+
+
+def packed_tensors(qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
+    """Packed tensors for every quantized linear, named `<module>.<tensor>` as the format wants."""
+    out: dict[str, torch.Tensor] = {}
+    fmt = config.resolved_format
+    for name, qw in qweights.items():
+        if fmt == "awq":
+            packed = awq_gemm.pack_awq_gemm(qw.q, qw.zeros, qw.scales)
+        else:
+            packed = compressed_tensors.pack_compressed(qw.q, qw.zeros, qw.scales, qw.bits, config.weight.symmetric)
+        for key, t in packed.items():
+            out[f"{name}.{key}"] = t
+    return out
+
+
+def checkpoint_tensors(model: torch.nn.Module, qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
+    """The model's fp16 tensors with each quantized linear's weight replaced by its packed tensors."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    replaced = {f"{name}.weight" for name in qweights}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict().items():
+        if key in replaced or (tied and key == "lm_head.weight"):
+            continue
+        out[key] = t.detach().to(torch.float16).contiguous() if t.is_floating_point() else t.contiguous()
+    out.update(packed_tensors(qweights, config))
+    return out
+
+
+def export_config(loaded: LoadedModel, config: QuantizeConfig) -> dict[str, Any]:
+    """config.json of the export: the model's, in the exported architecture, with quantization_config."""
+    cfg = loaded.model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg.pop("_name_or_path", None)
+    if loaded.spec.export_architecture:
+        cfg["architectures"] = [loaded.spec.export_architecture]
+        cfg["model_type"] = "llama"
+        cfg.pop("auto_map", None)
+    cfg["torch_dtype"] = "float16"
+    cfg["dtype"] = "float16"
+    w = config.weight
+    keep = list(loaded.spec.keep_fp)
+    if config.resolved_format == "awq":
+        cfg["quantization_config"] = awq_gemm.quantization_config(w.group_size, keep)
+    else:
+        cfg["quantization_config"] = compressed_tensors.quantization_config(w.bits, w.group_size, w.symmetric, keep)
+    return cfg
+
+
+def write_export(
+    loaded: LoadedModel, qweights: dict[str, QuantizedWeight], config: QuantizeConfig, work_dir: Path,
+    report: dict[str, Any], overwrite: bool = False, extra_tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
+    """Write the packed checkpoint, tokenizer, generation config and quant_report.json atomically."""
+    tensors = checkpoint_tensors(loaded.model, qweights, config)
+    for t in tensors.values():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError("refusing to write a checkpoint with NaN or Inf values")
+    writers = []
+    if loaded.tokenizer_files:
+        files = {p.name: p for p in loaded.tokenizer_files}
+    else:
+        files = {}
+        writers.append(lambda d: loaded.tokenizer.save_pretrained(str(d)))
+    gen = getattr(loaded.model, "generation_config", None)
+    if gen is not None:
+        writers.append(lambda d: gen.save_pretrained(str(d)))
+    for fname, tdict in (extra_tensor_files or {}).items():
+        def _write(d: Path, fname=fname, tdict=tdict) -> None:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in tdict.items()}, str(d / fname))
+        writers.append(_write)
+    return write_checkpoint(
+        Path(work_dir), tensors, export_config(loaded, config), overwrite=overwrite,
+        files=files, json_files={"quant_report.json": report}, writers=writers,
+    )

@@ -1,0 +1,1 @@
+"""Loading packed checkpoints and generating text with them."""

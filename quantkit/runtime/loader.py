@@ -1,0 +1,107 @@
+"""`load()`: a packed checkpoint → a transformers model whose linears are QuantLinear modules."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from quantkit.formats.checkpoint import CheckpointError, read_safetensors
+from quantkit.nn.quant_linear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+_MARKERS = {"qweight": "awq", "weight_packed": "packed"}
+
+
+def read_quant_config(path: Path) -> dict[str, Any]:
+    """config.json's quantization_config, or a CheckpointError saying the path is not a checkpoint."""
+    cfg_file = path / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} is not a quantkit checkpoint: it has no config.json")
+    cfg = json.loads(cfg_file.read_text())
+    qc = cfg.get("quantization_config")
+    if not qc or qc.get("quant_method") not in ("awq", "compressed-tensors"):
+        raise CheckpointError(
+            f"{path} is not a quantized checkpoint (no awq or compressed-tensors quantization_config); "
+            "quantize it first with `quantkit rtn|int8|awq`"
+        )
+    return qc
+
+
+def _layout_params(qc: dict[str, Any]) -> tuple[int, int, bool]:
+    """bits, group_size, symmetric from either format's quantization_config."""
+    if qc["quant_method"] == "awq":
+        return int(qc["bits"]), int(qc["group_size"]), not qc.get("zero_point", True)
+    weights = next(iter(qc["config_groups"].values()))["weights"]
+    gs = -1 if weights.get("strategy") == "channel" else int(weights["group_size"])
+    return int(weights["num_bits"]), gs, bool(weights["symmetric"])
+
+
+def _replace_linears(model: torch.nn.Module, sd: dict[str, torch.Tensor], qc: dict[str, Any]) -> int:
+    bits, group_size, symmetric = _layout_params(qc)
+    count = 0
+    for key in list(sd):
+        module_name, _, tensor_name = key.rpartition(".")
+        layout = _MARKERS.get(tensor_name)
+        if layout is None:
+            continue
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        new = QuantLinear(
+            old.in_features, old.out_features, bits, group_size, layout=layout,
+            symmetric=symmetric if layout == "packed" else False, bias=old.bias is not None,
+        )
+        setattr(parent, child, new)
+        count += 1
+    return count
+
+
+def load(
+    path: str | Path,
+    device: Optional[str | torch.device] = None,
+    dtype: Optional[torch.dtype] = None,
+    kv_bits: Optional[int] = None,
+    kv_scales: str = "online",
+) -> tuple[torch.nn.Module, Any]:
+    """Load a quantkit checkpoint; returns (model, tokenizer).
+
+    `device` defaults to CUDA when present, else the CPU; `dtype` (of activations and unquantized
+    tensors) to float16 on CUDA and float32 on the CPU. `kv_bits` 8 or 4 attaches a quantized KV cache.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    qc = read_quant_config(path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    config = AutoConfig.from_pretrained(str(path))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    sd = read_safetensors(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    n = _replace_linears(model, sd, qc)
+    sd = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(("scales", "weight_scale")) else v) for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: tensors do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if tied:
+        model.tie_weights()
+    model.to(device).eval()
+    log.info("loaded %s: %d quantized linears on %s", path, n, device)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if kv_bits is not None and kv_bits != 16:
+        from quantkit.runtime.kv_cache import attach_kv_cache
+
+        attach_kv_cache(model, path, kv_bits, kv_scales)
+    return model, tokenizer
