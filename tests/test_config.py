@@ -1,0 +1,40 @@
+"""Configs validate what users set; recipes load and flags override them."""
+
+import pytest
+
+from quantkit.config import ConfigError, QuantizeConfig, WeightQuantConfig, build_config, load_recipe
+from quantkit.data import MANIFEST_PATH
+
+RECIPES = MANIFEST_PATH.parent.parent / "recipes"
+
+
+def test_awq_format_needs_4_bits():
+    with pytest.raises(ConfigError, match="4-bit only"):
+        QuantizeConfig(method="rtn", weight=WeightQuantConfig(5, 128), format="awq")
+    with pytest.raises(ConfigError, match="4 or 8"):
+        QuantizeConfig(method="rtn", weight=WeightQuantConfig(3, 128), format="compressed-tensors")
+
+
+def test_default_format_by_bits():
+    assert QuantizeConfig().resolved_format == "awq"
+    assert QuantizeConfig(method="int8", weight=WeightQuantConfig(8, -1, True)).resolved_format == "compressed-tensors"
+
+
+@pytest.mark.parametrize("bits", [1, 9])
+def test_bits_range(bits):
+    with pytest.raises(ConfigError):
+        WeightQuantConfig(bits, 128)
+
+
+def test_recipes_load_and_flags_override():
+    for path in RECIPES.glob("*.yaml"):
+        build_config(load_recipe(path))
+    cfg = build_config(load_recipe(RECIPES / "w4g128-rtn.yaml"), **{"weight.group_size": 64, "weight.bits": None})
+    assert cfg.weight.group_size == 64 and cfg.weight.bits == 4 and cfg.method == "rtn"
+
+
+def test_unknown_recipe_key(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("method: rtn\nweight: {bitz: 4}\n")
+    with pytest.raises(ConfigError, match="bitz"):
+        build_config(load_recipe(p))
