@@ -6,9 +6,11 @@ tokenized text; evaluation windows are the text's consecutive non-overlapping wi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -60,8 +62,21 @@ def _read_local(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _from_hub(entry: dict, split: str) -> Optional[str]:
+@functools.lru_cache(maxsize=1)
+def _hub_reachable() -> bool:
+    """A 3-second connection probe, so that an offline machine fails at once instead of retrying for minutes."""
     if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_hub(entry: dict, split: str) -> Optional[str]:
+    if not _hub_reachable():
         return None
     try:
         import datasets
