@@ -1,0 +1,96 @@
+"""The kernel configurations the dispatch table is chosen from, and the tuning run that chooses.
+
+`tune` times every candidate at each M on the four Llama-2-7B shapes (CUDA-graph replay, weight ring)
+and keeps, per M, the one with the least time summed over the shapes: what a decoder layer pays.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from bench.kernel_timing import graph_us, ring_size
+from quantkit.kernels import dispatch
+from quantkit.kernels.triton_layout import KernelWeights
+
+SHAPES = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
+
+
+def random_kw(k: int, n: int, bits: int, group_size: int) -> KernelWeights:
+    """Random weights already in the kernel layout (timing needs realistic bytes, not values)."""
+    gs = k if group_size == -1 else group_size
+    g = k // gs
+    return KernelWeights(
+        qweight=torch.randint(-(2**31), 2**31 - 1, (n, k * bits // 32), dtype=torch.int32, device="cuda"),
+        scales=(torch.rand(n, g, device="cuda") * 0.01 + 0.001).half(),
+        zeros=torch.randint(0, 2**bits, (n, g), dtype=torch.uint8, device="cuda"),
+        bits=bits, group_size=gs, in_features=k, out_features=n,
+    )
+
+
+def _gemv(bn, nb, nw, programs):
+    return dispatch.Choice("gemv", dict(block_n=bn, blocks=nb, num_warps=nw), programs)
+
+
+def _gemm(bm, bn, nb, nw, ns, swap, programs):
+    return dispatch.Choice("gemm", dict(block_m=bm, block_n=bn, blocks=nb, num_warps=nw, num_stages=ns, swap_ab=swap), programs)
+
+
+def candidates(bits: int, m: int) -> list[dispatch.Choice]:
+    """Configurations worth timing at this M (kept small: every one costs a compile on the GPU)."""
+    out: list[dispatch.Choice] = []
+    if m == 1:
+        out += [_gemv(bn, nb, nw, p) for bn, nb, nw in ((64, 16, 4), (32, 16, 4), (32, 16, 2), (64, 8, 4))
+                for p in (2, 4, 8, 16)]
+    elif m <= 8:
+        out += [_gemv(bn, nb, 4, p) for bn, nb in ((64, 16), (32, 16)) for p in (4, 8)]
+    if 2 <= m <= 64:
+        bm = max(16, 1 << (m - 1).bit_length())
+        out += [_gemm(bm, bn, 8, 4, 3, swap, p) for bn, swap in ((64, True), (128, True), (64, False))
+                for p in (1, 2, 4)]
+    if m >= 128:
+        out += [_gemm(128, 128, 8, 8, 3, False, 1), _gemm(64, 128, 8, 4, 3, True, 1),
+                _gemm(128, 256, 8, 8, 3, False, 1), _gemm(64, 256, 8, 8, 3, False, 1)]
+    if m >= 16:
+        out.append(dispatch.Choice("dequant+cublas"))
+    return out
+
+
+def tune(ms, w8_ms, log_path: Path) -> dict:
+    """Time the candidates; return the dispatch table (bits → [(largest M, choice as a dict)])."""
+    log = open(log_path, "w")
+    table: dict = {}
+    for bits, bit_ms in ((4, ms), (8, w8_ms)):
+        gs = 128 if bits == 4 else -1
+        rings = {}
+        for shape, (k, n) in SHAPES.items():
+            first = random_kw(k, n, bits, gs)
+            rings[shape] = [first] + [random_kw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
+        rows = []
+        for m in bit_ms:
+            xs = {s: torch.randn(m, SHAPES[s][0], device="cuda", dtype=torch.float16) for s in SHAPES}
+            best, best_us = None, float("inf")
+            for choice in candidates(bits, m):
+                per_shape = {}
+                try:
+                    for shape, ring in rings.items():
+                        x = xs[shape]
+                        per_shape[shape] = graph_us([lambda kw=kw, x=x: dispatch.run(x, kw, None, choice) for kw in ring])
+                except Exception as exc:  # a configuration that does not compile here is skipped, and logged
+                    log.write(json.dumps({"bits": bits, "m": m, "choice": choice.__dict__, "error": str(exc)[:300]}) + "\n")
+                    continue
+                total = sum(per_shape.values())
+                log.write(json.dumps({"bits": bits, "m": m, "choice": choice.__dict__, "us": per_shape, "total": total}) + "\n")
+                log.flush()
+                if total < best_us:
+                    best, best_us = choice, total
+            print(f"tune W{bits} M={m}: {best.method} {best.params} programs={best.programs} total {best_us:.1f} us", flush=True)
+            rows.append([m, best.__dict__])
+        rows[-1][0] = 1 << 30
+        table[str(bits)] = rows
+        del rings
+        torch.cuda.empty_cache()
+    log.close()
+    return table

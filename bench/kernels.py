@@ -1,0 +1,145 @@
+"""W4A16 / W8A16 kernels against torch fp16 F.linear and torch's int4 kernel at Llama-2-7B shapes (H200).
+
+    PYTHONPATH=. python bench/kernels.py --out DIR [--tune] [--table table.json]
+
+--tune first times every candidate kernel configuration (bench/kernel_candidates.py) summed over the
+four shapes, per M, and installs the fastest as the dispatch table (written to DIR/table.json, then
+copied into quantkit/kernels/dispatch.py). The benchmark proper goes through dispatch.run, as the
+runtime does. Times are medians over CUDA-graph replays, every call on a different weight buffer of a
+ring several times the L2 size; plain (eager) launch times are reported beside them. Writes
+DIR/kernels.json, DIR/kernels.md and DIR/kernels_speedup.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.kernel_candidates import SHAPES, random_kw, tune
+from bench.kernel_timing import copy_bandwidth, graph_us, plain_us, ring_size
+from quantkit.kernels import dispatch
+
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+W8_MS = (1, 16, 256, 1024)
+
+
+def int4_ring(k: int, n: int):
+    """torch's tinygemm int4 weights (g128) as a ring, and its bytes; bf16 activations only."""
+    def one():
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        return torch._convert_weight_to_int4pack(w, 8), torch.rand(k // 128, n, 2, device="cuda", dtype=torch.bfloat16)
+    nbytes = n * k // 2 + (k // 128) * n * 4
+    return [one() for _ in range(ring_size(nbytes))], nbytes
+
+
+def measure(calls_of, ring, nbytes, m, k, n):
+    calls = [lambda w=w: calls_of(w) for w in ring]
+    g = graph_us(calls)
+    p = plain_us(calls)
+    return {"us": g, "plain_us": p, "tbps": (nbytes + 2 * m * (k + n)) / g / 1e6}
+
+
+def bench_shape(shape: str, copy_tbps: float, results: list) -> None:
+    k, n = SHAPES[shape]
+    fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
+    try:
+        i4, i4_bytes = int4_ring(k, n)
+    except Exception as exc:  # a torch without the tinygemm kernel: report, keep going
+        print(f"torch int4 unavailable: {exc}")
+        i4, i4_bytes = None, 0
+    for bits, ms in ((4, MS), (8, W8_MS)):
+        kws = [random_kw(k, n, bits, 128 if bits == 4 else -1)]
+        kws += [random_kw(k, n, bits, 128 if bits == 4 else -1) for _ in range(ring_size(kws[0].nbytes) - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            choice = dispatch.choose(bits, m)
+            row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m, "kernel": choice.method,
+                   "ours": measure(lambda kw: dispatch.run(x, kw, None, choice), kws, kws[0].nbytes, m, k, n),
+                   "fp16": measure(lambda w: F.linear(x, w), fp16, n * k * 2, m, k, n)}
+            if bits == 4 and i4 is not None:
+                xb = x.bfloat16()
+                row["int4"] = measure(lambda p: torch._weight_int4pack_mm(xb, p[0], 128, p[1]), i4, i4_bytes, m, k, n)
+            row["speedup"] = row["fp16"]["us"] / row["ours"]["us"]
+            row["copy_pct"] = 100 * row["ours"]["tbps"] / copy_tbps
+            results.append(row)
+            i4s = f"{row['int4']['us']:7.1f}" if "int4" in row else "    n/a"
+            print(f"W{bits} {shape:7} M={m:4} ours {row['ours']['us']:7.1f}us ({row['ours']['plain_us']:6.1f} plain) "
+                  f"{row['ours']['tbps']:.2f}TB/s {row['copy_pct']:4.0f}% | fp16 {row['fp16']['us']:7.1f} | int4 {i4s} "
+                  f"| x{row['speedup']:.2f} {choice.method}", flush=True)
+        del kws
+        torch.cuda.empty_cache()
+
+
+def markdown(results: list, copy_tbps: float) -> str:
+    lines = [f"copy bandwidth {copy_tbps:.2f} TB/s", "",
+             "| W | shape (K×N) | M | kernel | ours µs (plain) | TB/s | % copy | fp16 µs (plain) | torch int4 µs | × fp16 | int4 × fp16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        o, f, i4 = r["ours"], r["fp16"], r.get("int4")
+        i4_us = f"{i4['us']:.1f}" if i4 else "–"
+        i4_x = f"{f['us'] / i4['us']:.2f}" if i4 else "–"
+        lines.append(f"| {r['bits']} | {r['shape']} {r['K']}×{r['N']} | {r['m']} | {r['kernel']} | {o['us']:.1f} ({o['plain_us']:.1f}) "
+                     f"| {o['tbps']:.2f} | {r['copy_pct']:.0f} | {f['us']:.1f} ({f['plain_us']:.1f}) | {i4_us} | {r['speedup']:.2f} | {i4_x} |")
+    return "\n".join(lines)
+
+
+def plot(results: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for shape in SHAPES:
+        for bits, style in ((4, "-o"), (8, ":s")):
+            rows = [r for r in results if r["shape"] == shape and r["bits"] == bits]
+            if rows:
+                ax.plot([r["m"] for r in rows], [r["speedup"] for r in rows], style, label=f"W{bits} {shape}")
+        rows = [r for r in results if r["shape"] == shape and r["bits"] == 4 and "int4" in r]
+        ax.plot([r["m"] for r in rows], [r["fp16"]["us"] / r["int4"]["us"] for r in rows], "--", alpha=0.5,
+                label=f"torch int4 {shape}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("M (tokens)")
+    ax.set_ylabel("speed-up over fp16 F.linear")
+    ax.set_title("quantkit Triton W4A16 g128 / W8A16 vs fp16, H200, CUDA-graph replay")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--table", default=None, help="a dispatch table JSON to use instead of the built-in one")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    copy_tbps = copy_bandwidth()
+    print(f"copy bandwidth {copy_tbps:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)
+    if args.table:
+        dispatch.use_table(json.loads(Path(args.table).read_text()))
+    if args.tune:
+        table = tune(MS, W8_MS, out / "tune.jsonl")
+        (out / "table.json").write_text(json.dumps(table, indent=1))
+        dispatch.use_table(table)
+        print(f"tuned in {time.time() - t0:.0f} s", flush=True)
+    results: list = []
+    for shape in SHAPES:
+        bench_shape(shape, copy_tbps, results)
+    (out / "kernels.json").write_text(json.dumps({"copy_tbps": copy_tbps, "rows": results}, indent=1))
+    (out / "kernels.md").write_text(markdown(results, copy_tbps))
+    plot(results, out / "kernels_speedup.png")
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""GPU correctness of the Triton kernels at Llama-2-7B shapes (not run by CI; needs CUDA).
+
+Every kernel against the torch reference (quantkit/kernels/reference.py) on random packed weights
+and random activations, output poisoned with NaN before each run, in fp16 and bf16, odd M and an
+N that is no multiple of any tile. Prints one line per case; exits 1 if any relative error > 1e-2.
+
+    PYTHONPATH=. python bench/kernels_check.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench.kernel_timing import rel_err
+from quantkit.formats.awq_gemm import pack_awq_gemm
+from quantkit.formats.compressed_tensors import pack_compressed
+from quantkit.kernels import dispatch, reference, triton_layout
+from quantkit.kernels.triton_gemm import dequantize, gemm
+from quantkit.kernels.triton_gemv import gemv
+
+TOL = 1e-2
+
+
+def make_layer(k: int, n: int, bits: int, gs: int, fmt: str, symmetric: bool, seed: int):
+    """(kernel-layout weights, reference linear function) for random q, z, s."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gsz = k if gs == -1 else gs
+    q = torch.randint(0, 2**bits, (n, k), generator=g, device="cuda", dtype=torch.int32)
+    if symmetric:
+        z = torch.full((n, k // gsz), 2 ** (bits - 1), device="cuda", dtype=torch.int32)
+    else:
+        z = torch.randint(0, 2**bits, (n, k // gsz), generator=g, device="cuda", dtype=torch.int32)
+    s = (torch.rand(n, k // gsz, generator=g, device="cuda") * 0.02 + 0.002).half()
+    if fmt == "awq":
+        t = pack_awq_gemm(q, z, s)
+        kw = triton_layout.from_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
+        return kw, lambda x: reference.linear_awq(x, t["qweight"], t["qzeros"], t["scales"], gsz)
+    t = pack_compressed(q, z, s, bits, symmetric)
+    zp = t.get("weight_zero_point")
+    kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+    return kw, lambda x: reference.linear_packed(x, t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+
+
+def poisoned(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+
+
+def variants(m: int):
+    """(name, fn(x, kw, out)) for every kernel path worth checking at this M."""
+    out = []
+    if m <= 8:
+        out.append(("gemv", lambda x, kw, y: gemv(x, kw, block_n=64, blocks=16, split_k=4, out=y)))
+        out.append(("gemv-magic", lambda x, kw, y: gemv(x, kw, block_n=32, blocks=8, split_k=1, denormal=False, out=y)))
+    out.append(("gemm-swap", lambda x, kw, y: gemm(x, kw, block_m=16, block_n=64, blocks=8, split_k=3, swap_ab=True, out=y)))
+    out.append(("gemm", lambda x, kw, y: gemm(x, kw, block_m=64, block_n=128, blocks=8, split_k=1, out=y)))
+    out.append(("dequant", lambda x, kw, y: y.copy_(x @ dequantize(kw, x.dtype).t())))
+    out.append(("dispatch", lambda x, kw, y: y.copy_(dispatch.run(x, kw, None, dispatch.choose(kw.bits, x.shape[0])))))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    cases = [  # (K, N, bits, group, format, symmetric)
+        (4096, 12288, 4, 128, "awq", False), (4096, 4096, 4, 128, "awq", False),
+        (4096, 22016, 4, 128, "awq", False), (11008, 4096, 4, 128, "awq", False),
+        (4096, 4099, 4, 64, "packed", True), (4096, 4104, 4, 32, "awq", False),
+        (4096, 12288, 8, -1, "packed", True), (11008, 4097, 8, -1, "packed", False),
+    ]
+    if args.quick:
+        cases = cases[:2] + cases[4:7]
+    worst, failed = 0.0, []
+    for i, (k, n, bits, gs, fmt, sym) in enumerate(cases):
+        kw, ref_fn = make_layer(k, n, bits, gs, fmt, sym, seed=i)
+        for dtype in (torch.float16, torch.bfloat16):
+            for m in (1, 3, 16, 77, 300):
+                x = (torch.randn(m, k, device="cuda") * 0.5).to(dtype)
+                ref = ref_fn(x).float()
+                for name, fn in variants(m):
+                    y = poisoned(m, n, dtype)
+                    try:
+                        fn(x, kw, y)
+                        err = rel_err(y, ref)
+                    except Exception as exc:
+                        print(f"ERROR {name} K={k} N={n} W{bits} g{gs} {fmt} {dtype} M={m}: {str(exc)[:300]}")
+                        err = float("inf")
+                    worst = max(worst, err)
+                    tag = "ok" if err <= TOL else "FAIL"
+                    if tag == "FAIL":
+                        failed.append((name, k, n, bits, gs, fmt, str(dtype), m, err))
+                    print(f"{tag:4} {name:10} K={k:5} N={n:5} W{bits} g{gs:4} {fmt:6} {str(dtype)[6:]:8} M={m:4} rel={err:.2e}", flush=True)
+    print(f"worst relative error {worst:.2e}; {len(failed)} failures")
+    for f in failed:
+        print("FAILED", f)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

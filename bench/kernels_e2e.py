@@ -1,0 +1,106 @@
+"""End to end on the GPU: a random-weight Llama-2-7B-shape W4 g128 checkpoint through quantkit.load.
+
+Builds the model on the GPU from a config (hidden 4096, MLP 11008, 32 heads, vocabulary 32000; the
+number of decoder layers is a flag, 2 by default, since every layer has the same shapes), quantizes it
+with quantkit's RTN primitives on the GPU, writes the AWQ-format checkpoint with quantkit's exporter,
+loads it with quantkit.load on CUDA and compares the logits of the Triton path with the torch
+reference path (QUANTKIT_KERNEL=reference), for a one-token and a multi-token input. Then times one
+decoder block at batch 1, one token, W4 (Triton) against the same block in fp16, by CUDA-graph replay.
+
+    PYTHONPATH=. python bench/kernels_e2e.py --work /tmp/e2e [--layers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench.kernel_timing import graph_us, plain_us, rel_err
+
+
+def build_checkpoint(work: Path, layers: int):
+    """(fp16 model on the GPU, checkpoint path)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantkit.config import QuantizeConfig, WeightQuantConfig
+    from quantkit.models.loading import LoadedModel
+    from quantkit.models.registry import spec_for_config
+    from quantkit.quantize.export import write_export
+    from quantkit.quantize.rtn import rtn_quantize
+    from tests.tiny import make_tokenizer
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                      num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).half().eval()
+    spec = spec_for_config(cfg)
+    wcfg = WeightQuantConfig(4, 128)
+    qweights = rtn_quantize(model, spec, wcfg, progress=False)  # on the GPU: the weights live there
+    for qw in qweights.values():
+        qw.q, qw.zeros, qw.scales = qw.q.cpu(), qw.zeros.cpu(), qw.scales.cpu()
+    model.cpu()
+    loaded = LoadedModel(model, make_tokenizer(), spec, "random Llama-2-7B-shape model")
+    write_export(loaded, qweights, QuantizeConfig(method="rtn", weight=wcfg), work, {"note": "kernel e2e"}, overwrite=True)
+    return model.cuda(), work
+
+
+def logits(model, ids: torch.Tensor, kernel: str) -> torch.Tensor:
+    os.environ["QUANTKIT_KERNEL"] = kernel
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def block_call(layer, model, hidden: torch.Tensor):
+    pos = torch.zeros(1, hidden.shape[1], dtype=torch.long, device="cuda")
+    pe = model.model.rotary_emb(hidden, pos)
+
+    def call():
+        with torch.no_grad():
+            return layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=pe)
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default="/tmp/quantkit-e2e")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import quantkit
+
+    t0 = time.time()
+    fp16_model, path = build_checkpoint(Path(args.work), args.layers)
+    qmodel, _ = quantkit.load(path, device="cuda")
+    print(f"checkpoint built and loaded in {time.time() - t0:.0f} s", flush=True)
+    result = {"layers": args.layers}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for t in (1, 17):
+        ids = torch.randint(0, 32000, (1, t), device="cuda", generator=g)
+        ref, out = logits(qmodel, ids, "reference"), logits(qmodel, ids, "triton")
+        result[f"logits_rel_err_tokens{t}"] = rel_err(out, ref)
+        result[f"fp16_vs_w4_rel_err_tokens{t}"] = rel_err(out, logits(fp16_model, ids, "triton"))
+        print(f"{t:3} tokens: logits rel err triton vs reference {result[f'logits_rel_err_tokens{t}']:.2e} "
+              f"(W4 vs fp16 model {result[f'fp16_vs_w4_rel_err_tokens{t}']:.2e})", flush=True)
+    os.environ["QUANTKIT_KERNEL"] = "triton"
+    hidden = torch.randn(1, 1, 4096, device="cuda", dtype=torch.float16)
+    # Calls alternate between the decoder layers, so the weights come from memory rather than L2.
+    q_calls = [block_call(layer, qmodel, hidden) for layer in qmodel.model.layers]
+    f_calls = [block_call(layer, fp16_model, hidden) for layer in fp16_model.model.layers]
+    for name, calls in (("w4_block", q_calls), ("fp16_block", f_calls)):
+        result[name] = {"graph_us": graph_us(calls, replays=30, rounds=10), "plain_us": plain_us(calls, reps=20)}
+    result["block_speedup_graph"] = result["fp16_block"]["graph_us"] / result["w4_block"]["graph_us"]
+    result["block_speedup_plain"] = result["fp16_block"]["plain_us"] / result["w4_block"]["plain_us"]
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

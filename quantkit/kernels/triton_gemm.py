@@ -1,0 +1,187 @@
+"""Tensor-core GEMM for M ≥ 2, and a dequantize kernel for the dequantize-then-cuBLAS path.
+
+The GEMM dequantizes each [BLOCK_N, BLOCK_KW] tile of packed words plane by plane (see
+triton_layout: plane j of a tile holds the inputs 4·j + w of each 4-word block) and feeds every plane
+to `tl.dot` with the matching columns of x, accumulating in fp32. With fp16 activations the
+dequantization stays in fp16: (q | 0x6400) read as fp16 is 1024 + q, so subtracting 1024 + z is exact
+and one multiply by the fp16 scale rounds once, like the reference. With bf16 it goes through fp32
+(2^23 + q trick) and rounds once to bf16. SWAP_AB computes (W xᵀ)ᵀ so that a small M becomes the
+narrow side of the tensor-core tile. Split-K as in triton_splitk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.kernels.triton_layout import KernelWeights
+from quantkit.kernels.triton_splitk import counters, store_tile, workspace
+
+
+@triton.jit
+def _dequant_plane(wt, j, zb, s, BITS: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Plane j of a word tile as W values in `dtype` (zb = bias + z and s broadcast to wt's shape)."""
+    qj = (wt >> (BITS * j)) & ((1 << BITS) - 1)
+    if HALF:
+        return ((qj | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zb) * s
+    return (((qj | 0x4B000000).to(tl.float32, bitcast=True) - zb) * s).to(dtype)
+
+
+@triton.jit
+def _load_words(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: tl.constexpr,
+                PER_WORD: tl.constexpr, TILE_W: tl.constexpr, HALF: tl.constexpr):
+    """A [BN, TILE_W] tile of words from word w0 on, with each word's scale and bias + zero."""
+    offs_i = tl.arange(0, TILE_W)
+    words = w0 + offs_i
+    ok = n_ok[:, None] & (words < hi)[None, :]
+    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K8 + words[None, :], mask=ok, other=0)
+    # Four consecutive words form a block of one group: 4·(32/b) inputs, and 32 divides every group.
+    sz = offs_n[:, None] * G + tl.minimum((w0 + (offs_i // 4) * 4) * PER_WORD // group_size, G - 1)[None, :]
+    s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
+    z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
+    if HALF:
+        zb = (z + 1024).to(tl.float16)
+    else:
+        zb = (z + 8388608).to(tl.float32)
+        s = s.to(tl.float32)
+    return wt, zb, s
+
+
+@triton.jit
+def _load_blocks(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: tl.constexpr,
+                 PER_WORD: tl.constexpr, BLOCKS: tl.constexpr, HALF: tl.constexpr):
+    """The same tile as [BN, BLOCKS, 4] with one scale and zero per block (the swapped path's shape)."""
+    blk = w0 + tl.arange(0, BLOCKS) * 4
+    words = blk[:, None] + tl.arange(0, 4)[None, :]
+    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + words[None, :, :],
+                 mask=n_ok[:, None, None] & (blk < hi)[None, :, None], other=0)
+    sz = offs_n[:, None] * G + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
+    s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
+    z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
+    if HALF:
+        zb = (z + 1024).to(tl.float16)
+    else:
+        zb = (z + 8388608).to(tl.float32)
+        s = s.to(tl.float32)
+    return wt, zb[:, :, None], s[:, :, None]
+
+
+@triton.jit
+def gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, K8, G, stride_xm, stride_om, group_size: tl.constexpr,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m  # neighbouring programs share a weight tile: it is read once from DRAM
+    pid_n = pid // num_m
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK: tl.constexpr = 4 * PER_WORD
+    TILE_W: tl.constexpr = 4 * BLOCKS
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    HALF: tl.constexpr = dtype == tl.float16
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    span = tl.cdiv(tl.cdiv(K8, SPLIT_K), TILE_W) * TILE_W
+    lo = pid_k * span
+    hi = tl.minimum(lo + span, K8)
+    offs_i = tl.arange(0, TILE_W)
+    k_in = (offs_i // 4) * BLOCK + offs_i % 4
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for w0 in range(lo, hi, TILE_W):
+        if SWAP_AB:  # this shape lets the dequantized tile feed the tensor cores from registers
+            wt, zb, s = _load_blocks(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size, PER_WORD, BLOCKS, HALF)
+        else:
+            wt, zb, s = _load_words(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size, PER_WORD, TILE_W, HALF)
+        k0 = w0 * PER_WORD + k_in  # [TILE_W]: input of plane 0 of each word
+        kw_ok = (w0 + offs_i) < hi
+        for j in tl.static_range(PER_WORD):
+            kj = k0 + 4 * j
+            xj = tl.load(x_rows + kj[None, :], mask=m_ok[:, None] & (kw_ok & (kj < K))[None, :], other=0.0)
+            wj = _dequant_plane(wt, j, zb, s, BITS, HALF, dtype)
+            if SWAP_AB:
+                acc = tl.dot(wj.reshape(BLOCK_N, TILE_W), tl.trans(xj), acc)
+            else:
+                acc = tl.dot(xj, tl.trans(wj), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr,
+               pid, pid_k, SPLIT_K, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, K8, G, group_size: tl.constexpr,
+                   BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK: tl.constexpr = 4 * PER_WORD
+    TILE_W: tl.constexpr = 4 * BLOCKS
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    HALF: tl.constexpr = dtype == tl.float16
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w0 = pid_k * TILE_W
+    wt, zb, s = _load_words(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, K8, K8, G, group_size, PER_WORD, TILE_W, HALF)
+    offs_i = tl.arange(0, TILE_W)
+    k0 = w0 * PER_WORD + (offs_i // 4) * BLOCK + offs_i % 4
+    rows = out_ptr + offs_n.to(tl.int64)[:, None] * K
+    for j in tl.static_range(PER_WORD):
+        kj = k0 + 4 * j
+        tl.store(rows + kj[None, :], _dequant_plane(wt, j, zb, s, BITS, HALF, dtype),
+                 mask=n_ok[:, None] & (kj < K)[None, :])
+
+
+def gemm(
+    x: torch.Tensor,
+    kw: KernelWeights,
+    bias: torch.Tensor | None = None,
+    *,
+    block_m: int = 16,
+    block_n: int = 64,
+    blocks: int = 8,
+    split_k: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    swap_ab: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x [M, K] · Wᵀ (+ bias) in x's dtype (fp16 or bf16) on tensor cores."""
+    m, k = x.shape
+    n = kw.out_features
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    k8, g = kw.qweight.shape[1], kw.scales.shape[1]
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = max(1, min(split_k, triton.cdiv(k8, 4 * blocks)))
+    ws = workspace(split_k, m, n, x.device)
+    cnt = counters(x.device, tiles)
+    gemm_kernel[(tiles, split_k)](
+        x, kw.qweight, kw.scales, kw.zeros, bias if bias is not None else out, out, ws, cnt,
+        m, n, k, k8, g, x.stride(0), out.stride(0), group_size=kw.group_size,
+        BITS=kw.bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k, SPLIT=split_k > 1,
+        HAS_BIAS=bias is not None, SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def dequantize(kw: KernelWeights, dtype: torch.dtype, block_n: int = 32, blocks: int = 16) -> torch.Tensor:
+    """W [N, K] in `dtype`, for the dequantize-then-cuBLAS path."""
+    n, k = kw.out_features, kw.in_features
+    k8, g = kw.qweight.shape[1], kw.scales.shape[1]
+    out = torch.empty(n, k, dtype=dtype, device=kw.qweight.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k8, 4 * blocks))
+    dequant_kernel[grid](kw.qweight, kw.scales, kw.zeros, out, n, k, k8, g, group_size=kw.group_size,
+                         BITS=kw.bits, BLOCK_N=block_n, BLOCKS=blocks, num_warps=4)
+    return out

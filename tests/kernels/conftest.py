@@ -1,0 +1,50 @@
+"""Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
+
+TRITON_INTERPRET must be set before a kernel module is imported (the @triton.jit decorator reads it),
+so it is set here, at collection time. Two interpreter bugs are patched for the tests (Triton 3.x):
+a bf16 `tl.dot` multiplies the raw uint16 bit patterns, and fp32 → bf16 casts truncate instead of
+rounding to nearest even as the GPU does.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _patch_interpreter() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if getattr(interp, "_quantkit_patched", False):
+        return
+    dot, convert = interp.InterpreterBuilder.create_dot, interp._convert_float
+
+    def as_f32(h):
+        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype.scalar == tl.bfloat16 else h.data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+            return interp.TensorHandle(np.matmul(as_f32(a), as_f32(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def convert_float(values, in_dtype, out_dtype, rounding_mode):
+        if in_dtype == tl.float32 and out_dtype == tl.bfloat16:
+            bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).reshape(values.shape)
+        return convert(values, in_dtype, out_dtype, rounding_mode)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    interp._convert_float = convert_float
+    interp._quantkit_patched = True
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter():
+    """Skip kernel tests where Triton is not installed; patch its interpreter where it is."""
+    pytest.importorskip("triton")
+    _patch_interpreter()

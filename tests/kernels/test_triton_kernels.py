@@ -1,0 +1,142 @@
+"""Triton kernels against the torch reference, on the CPU under TRITON_INTERPRET=1 (see conftest.py).
+
+Random weights and activations (never zeros), outputs poisoned with NaN before each run, odd M and N
+that are no multiple of the tiles, fp16 and bf16, W4 with group sizes 32/64/128 in both layouts and
+W8 per channel; ‖out − ref‖ / ‖ref‖ ≤ 1e-2 against quantkit.kernels.reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.formats.awq_gemm import pack_awq_gemm
+from quantkit.formats.compressed_tensors import pack_compressed
+from quantkit.kernels import reference, triton_layout
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+TOL = 1e-2
+CASES = [  # bits, group size, format, symmetric, K, N
+    (4, 32, "awq", False, 128, 40),
+    (4, 64, "packed", True, 128, 37),
+    (4, 128, "awq", False, 256, 24),
+    (8, -1, "packed", True, 96, 33),
+    (8, -1, "packed", False, 80, 19),
+]
+
+
+def make_weights(bits, gs, fmt, symmetric, k, n, seed=0):
+    """(KernelWeights, reference linear x ↦ y) for random integers, zeros and scales."""
+    g = torch.Generator().manual_seed(seed)
+    gsz = k if gs == -1 else gs
+    q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.int32)
+    z = torch.randint(1, 2**bits - 1, (n, k // gsz), generator=g, dtype=torch.int32)
+    s = (torch.rand(n, k // gsz, generator=g) * 0.02 + 0.002).half()
+    if fmt == "awq":
+        t = pack_awq_gemm(q, z, s)
+        kw = triton_layout.from_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
+        return kw, lambda x, b=None: reference.linear_awq(x, t["qweight"], t["qzeros"], t["scales"], gsz, b)
+    t = pack_compressed(q, z, s, bits, symmetric)
+    zp = t.get("weight_zero_point")
+    kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+    return kw, lambda x, b=None: reference.linear_packed(x, t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz, b)
+
+
+def rel(out, ref):
+    assert torch.isfinite(out).all(), "output holds NaN/Inf: some element was not written"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def test_kernels_run_in_the_interpreter():
+    from quantkit.kernels.triton_gemm import gemm_kernel
+    from quantkit.kernels.triton_gemv import gemv_kernel
+
+    assert type(gemv_kernel).__name__ == "InterpretedFunction"
+    assert type(gemm_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_planar_round_trip(bits):
+    q = torch.randint(0, 2**bits, (5, 72), dtype=torch.int32)  # 72 is no multiple of the 32-input block
+    packed = triton_layout.pack_block_planar(q, bits)
+    assert packed.shape == (5, -(-72 * bits // 32 // 4) * 4)
+    assert torch.equal(triton_layout.unpack_block_planar(packed, bits, 72), q)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"W{c[0]}g{c[1]}-{c[2]}-{'sym' if c[3] else 'asym'}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_kernels_match_reference(case, dtype):
+    from quantkit.kernels.triton_gemm import dequantize, gemm
+    from quantkit.kernels.triton_gemv import gemv
+
+    kw, ref_fn = make_weights(*case, seed=case[1] + case[0])
+    k, n = case[4], case[5]
+    bias = (torch.randn(n) * 0.1).to(dtype)
+    runs = {
+        "gemv split-K": (3, lambda x, y: gemv(x, kw, bias, block_n=16, blocks=2, split_k=2, out=y)),
+        "gemm swap split-K": (17, lambda x, y: gemm(x, kw, bias, block_m=16, block_n=16, blocks=4, split_k=3,
+                                                    swap_ab=True, out=y)),
+        "gemm": (5, lambda x, y: gemm(x, kw, bias, block_m=16, block_n=32, blocks=4, out=y)),
+    }
+    for name, (m, fn) in runs.items():
+        x = (torch.randn(m, k) * 0.5).to(dtype)
+        y = torch.full((m, n), float("nan"), dtype=dtype)
+        fn(x, y)
+        err = rel(y, ref_fn(x, bias))
+        assert err <= TOL, f"{name}: relative error {err:.2e}"
+    w = dequantize(kw, dtype, block_n=16, blocks=2)
+    x = (torch.randn(2, k) * 0.5).to(dtype)
+    assert rel(x.float() @ w.float().t(), ref_fn(x).float()) <= TOL
+
+
+def test_split_k_leaves_counters_zeroed():
+    from quantkit.kernels.triton_gemv import gemv
+    from quantkit.kernels.triton_splitk import counters
+
+    kw, ref_fn = make_weights(4, 32, "awq", False, 256, 40)
+    x = torch.randn(2, 256).half()
+    for _ in range(2):  # a second launch relies on the first having reset its counters
+        y = gemv(x, kw, block_n=16, blocks=2, split_k=4)
+        assert rel(y, ref_fn(x)) <= TOL
+    assert int(counters(x.device, 1).abs().sum()) == 0
+
+
+def test_quant_linear_forward_on_triton_path(monkeypatch):
+    from quantkit.kernels import dispatch
+    from quantkit.nn import QuantLinear
+
+    kw, _ = make_weights(4, 64, "awq", False, 128, 48)
+    layer = QuantLinear(128, 48, 4, 64, layout="awq", bias=True)
+    g = torch.Generator().manual_seed(3)
+    t = pack_awq_gemm(torch.randint(0, 16, (48, 128), generator=g), torch.randint(0, 16, (48, 2), generator=g),
+                      (torch.rand(48, 2, generator=g) * 0.02 + 0.002).half())
+    layer.qweight.copy_(t["qweight"])
+    layer.qzeros.copy_(t["qzeros"])
+    layer.scales.copy_(t["scales"])
+    layer.bias.copy_(torch.randn(48))
+    x = torch.randn(3, 7, 128).half()  # M = 21 rows: the table's GEMM path
+    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    ref = layer(x)
+    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
+    out = layer(x)
+    assert out.shape == (3, 7, 48) and rel(out, ref) <= TOL
+    assert rel(layer(x[:1, :1]), ref[:1, :1]) <= TOL  # M = 1: the GEMV path
+    assert dispatch.kernel_weights(layer) is layer._kernel_weights  # repacked once, then reused
+
+
+def test_dispatch_table_can_be_replaced():
+    from quantkit.kernels import dispatch
+
+    saved = {b: list(rows) for b, rows in dispatch.TABLE.items()}
+    try:
+        dispatch.use_table({"4": [[1, {"method": "gemv", "params": {"block_n": 16, "blocks": 2, "num_warps": 4}}],
+                                  [1 << 30, {"method": "dequant+cublas"}]]})
+        assert dispatch.choose(4, 1).method == "gemv"
+        assert dispatch.choose(4, 2).method == "dequant+cublas"
+        kw, ref_fn = make_weights(4, 32, "awq", False, 128, 24)
+        x = torch.randn(4, 128).half()
+        assert rel(dispatch.run(x, kw, None, dispatch.choose(4, 4)), ref_fn(x)) <= TOL
+    finally:
+        dispatch.TABLE.clear()
+        dispatch.TABLE.update(saved)
