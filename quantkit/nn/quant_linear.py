@@ -72,6 +72,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("bias", torch.empty(out_features, dtype=dtype, **kw))
         else:
             self.bias = None
+        # The reference path may keep its dequantized weight (CPU evaluation: speed over memory).
+        self.cache_dequantized = False
+        self._cached_weight: torch.Tensor | None = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """W [out, in] in float32 (the reference the kernels are tested against)."""
@@ -87,9 +90,12 @@ class QuantLinear(nn.Module):
             from quantkit.kernels import dispatch  # imported lazily: Triton is optional
 
             return dispatch.quant_linear(x, self)
-        return torch.nn.functional.linear(
-            x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
-        )
+        weight = self._cached_weight if self.cache_dequantized else None
+        if weight is None or weight.dtype != x.dtype or weight.device != x.device:
+            weight = self.dequantized_weight().to(x.dtype)
+            if self.cache_dequantized:
+                self._cached_weight = weight
+        return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (

@@ -69,11 +69,14 @@ def load(
     dtype: Optional[torch.dtype] = None,
     kv_bits: Optional[int] = None,
     kv_scales: str = "online",
+    cache_dequantized: Optional[bool] = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Load a quantkit checkpoint; returns (model, tokenizer).
 
     `device` defaults to CUDA when present, else the CPU; `dtype` (of activations and unquantized
     tensors) to float16 on CUDA and float32 on the CPU. `kv_bits` 8 or 4 attaches a quantized KV cache.
+    `cache_dequantized` (default: on the CPU) keeps each layer's dequantized weight after its first
+    use in the reference path, trading the memory saving for speed.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -98,6 +101,10 @@ def load(
     if tied:
         model.tie_weights()
     model.to(device).eval()
+    if cache_dequantized if cache_dequantized is not None else device.type == "cpu":
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.cache_dequantized = True
     log.info("loaded %s: %d quantized linears on %s", path, n, device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if kv_bits is not None and kv_bits != 16:
