@@ -44,7 +44,7 @@ def measure(calls_of, ring, nbytes, m, k, n):
     return {"us": g, "plain_us": p, "tbps": (nbytes + 2 * m * (k + n)) / g / 1e6}
 
 
-def bench_shape(shape: str, copy_tbps: float, results: list) -> None:
+def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_MS) -> None:
     k, n = SHAPES[shape]
     fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
     try:
@@ -52,7 +52,7 @@ def bench_shape(shape: str, copy_tbps: float, results: list) -> None:
     except Exception as exc:  # a torch without the tinygemm kernel: report, keep going
         print(f"torch int4 unavailable: {exc}")
         i4, i4_bytes = None, 0
-    for bits, ms in ((4, MS), (8, W8_MS)):
+    for bits, ms in ((4, w4_ms), (8, w8_ms)):
         kws = [random_kw(k, n, bits, 128 if bits == 4 else -1)]
         kws += [random_kw(k, n, bits, 128 if bits == 4 else -1) for _ in range(ring_size(kws[0].nbytes) - 1)]
         for m in ms:
@@ -119,22 +119,26 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--table", default=None, help="a dispatch table JSON to use instead of the built-in one")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values for W4")
+    ap.add_argument("--w8-ms", default=",".join(map(str, W8_MS)), help="M values for W8")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    ms = [int(v) for v in args.ms.split(",")]
+    w8_ms = [int(v) for v in args.w8_ms.split(",")]
     t0 = time.time()
     copy_tbps = copy_bandwidth()
     print(f"copy bandwidth {copy_tbps:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)
     if args.table:
         dispatch.use_table(json.loads(Path(args.table).read_text()))
     if args.tune:
-        table = tune(MS, W8_MS, out / "tune.jsonl")
+        table = tune(ms, w8_ms, out / "tune.jsonl")
         (out / "table.json").write_text(json.dumps(table, indent=1))
         dispatch.use_table(table)
         print(f"tuned in {time.time() - t0:.0f} s", flush=True)
     results: list = []
     for shape in SHAPES:
-        bench_shape(shape, copy_tbps, results)
+        bench_shape(shape, copy_tbps, results, ms, w8_ms)
     (out / "kernels.json").write_text(json.dumps({"copy_tbps": copy_tbps, "rows": results}, indent=1))
     (out / "kernels.md").write_text(markdown(results, copy_tbps))
     plot(results, out / "kernels_speedup.png")

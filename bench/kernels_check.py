@@ -64,6 +64,7 @@ def variants(m: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ms", default="1,3,16,77,300")
     args = ap.parse_args()
     cases = [  # (K, N, bits, group, format, symmetric)
         (4096, 12288, 4, 128, "awq", False), (4096, 4096, 4, 128, "awq", False),
@@ -77,7 +78,7 @@ def main() -> None:
     for i, (k, n, bits, gs, fmt, sym) in enumerate(cases):
         kw, ref_fn = make_layer(k, n, bits, gs, fmt, sym, seed=i)
         for dtype in (torch.float16, torch.bfloat16):
-            for m in (1, 3, 16, 77, 300):
+            for m in [int(v) for v in args.ms.split(",")]:
                 x = (torch.randn(m, k, device="cuda") * 0.5).to(dtype)
                 ref = ref_fn(x).float()
                 for name, fn in variants(m):

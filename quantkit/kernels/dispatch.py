@@ -31,19 +31,32 @@ class Choice:
     programs: float = 4.0
 
 
-_GEMV = Choice("gemv", dict(block_n=64, blocks=16, num_warps=4), programs=4.0)
-# bits → rows of (largest M, choice); the first row whose bound is ≥ M is used.
+def _gemv(block_n: int, blocks: int, num_warps: int, programs: float) -> Choice:
+    return Choice("gemv", dict(block_n=block_n, blocks=blocks, num_warps=num_warps), programs)
+
+
+def _gemm(block_m: int, block_n: int, programs: float) -> Choice:
+    return Choice("gemm", dict(block_m=block_m, block_n=block_n, blocks=8, num_warps=4, num_stages=3, swap_ab=True),
+                  programs)
+
+
+_CUBLAS = Choice("dequant+cublas")
+# bits → rows of (largest M, choice); the first row whose bound is ≥ M is used. Measured on the H200
+# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M).
 TABLE: dict[int, list[tuple[int, Choice]]] = {
     4: [
-        (1, _GEMV),
-        (32, Choice("gemm", dict(block_m=16, block_n=64, blocks=8, num_warps=4, num_stages=3, swap_ab=True), 4.0)),
-        (64, Choice("gemm", dict(block_m=64, block_n=64, blocks=8, num_warps=4, num_stages=3, swap_ab=True), 2.0)),
-        (1 << 30, Choice("gemm", dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3), 1.0)),
+        (1, _gemv(32, 16, 2, 8)),
+        (2, _gemv(64, 16, 4, 4)),
+        (16, _gemm(16, 64, 4)),
+        (32, _gemm(32, 64, 4)),
+        (64, _gemm(64, 128, 4)),
+        (128, _gemm(64, 128, 1)),
+        (1 << 30, _CUBLAS),
     ],
     8: [
-        (1, _GEMV),
-        (32, Choice("gemm", dict(block_m=16, block_n=64, blocks=8, num_warps=4, num_stages=3, swap_ab=True), 4.0)),
-        (1 << 30, Choice("gemm", dict(block_m=128, block_n=128, blocks=8, num_warps=8, num_stages=3), 1.0)),
+        (1, _gemv(64, 16, 4, 4)),
+        (16, _gemm(16, 64, 4)),
+        (1 << 30, _CUBLAS),
     ],
 }
 

@@ -46,11 +46,14 @@ def gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K8
     sz_rows = offs_n[:, None] * G
     acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
+    # A 2-D load keeps consecutive words on consecutive lanes (16-byte, coalesced loads); the next
+    # tile is requested before this one is used, so two tiles per program are in flight.
+    nxt = tl.load(w_rows + (lo + offs_i)[None, :], mask=n_ok[:, None] & ((lo + offs_i) < hi)[None, :], other=0)
     for w0 in range(lo, hi, TILE_W):
-        # A 2-D load keeps consecutive words on consecutive lanes (16-byte, coalesced loads).
         i_ok = (w0 + offs_i) < hi
-        wt = tl.load(w_rows + (w0 + offs_i)[None, :], mask=n_ok[:, None] & i_ok[None, :], other=0)
-        wt = wt.to(tl.uint32, bitcast=True)
+        wt = nxt.to(tl.uint32, bitcast=True)
+        ahead = w0 + TILE_W + offs_i
+        nxt = tl.load(w_rows + ahead[None, :], mask=n_ok[:, None] & (ahead < hi)[None, :], other=0)
         blk = w0 + offs_b * 4
         sz = sz_rows + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
         s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0).to(tl.float32)
