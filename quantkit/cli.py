@@ -129,6 +129,102 @@ def demo(
                           eval_windows=eval_windows, data_dir=data_dir), echo=typer.echo)
 
 
+# --- evaluation: `quantkit eval ppl`, `quantkit compare`, `quantkit kv-calibrate` ---
+
+eval_app = typer.Typer(help="Evaluate models: perplexity by the plain protocol.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+DATASETS = typer.Option(["ptb"], "--dataset", help="ptb, wikitext2, pydoc or a .txt/.jsonl path (repeatable); test split.")
+SEQLEN = typer.Option(2048, "--seqlen", help="Tokens per evaluation window.")
+WINDOWS = typer.Option(None, "--windows", help="Evaluate only the first N windows (default: all).")
+KV_BITS = typer.Option([16], "--kv-bits", help="KV cache bits: 16 (unquantized), 8 or 4 (repeatable).")
+KV_SCALES = typer.Option("online", "--kv-scales", help="online (per token per head) or static (from kv_stats.safetensors).")
+DATA_DIR = typer.Option(None, "--data-dir", help="Directory holding ptb.test.txt etc. (default: $QUANTKIT_DATA_DIR).")
+DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: cuda for checkpoints when present; fp models on cpu).")
+AS_JSON = typer.Option(False, "--json", help="Print the results as JSON instead of a table.")
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    models: list[str] = typer.Argument(..., help="HF model directories, .gguf files or quantkit checkpoints."),
+    dataset: list[str] = DATASETS,
+    seqlen: int = SEQLEN,
+    windows: int | None = WINDOWS,
+    kv_bits: list[int] = KV_BITS,
+    kv_scales: str = KV_SCALES,
+    kv_stats: str | None = typer.Option(None, "--kv-stats", help="kv_stats.safetensors for --kv-scales static "
+                                        "(default: the checkpoint's own)."),
+    data_dir: str | None = DATA_DIR,
+    device: str | None = DEVICE,
+    as_json: bool = AS_JSON,
+    quiet: bool = QUIET,
+) -> None:
+    """Perplexity of each model: whole text tokenized once, non-overlapping windows, mean NLL of every token."""
+    from quantkit.eval.compare import evaluate_models
+    from quantkit.eval.report import print_table
+
+    _setup_logging(quiet or as_json)
+    result = evaluate_models(models, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, kv_stats, device,
+                             progress=not (quiet or as_json))
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        print_table(result)
+
+
+@app.command()
+def compare(
+    fp_model: str = typer.Argument(..., help="The original model: HF directory or .gguf file."),
+    checkpoints: list[str] = typer.Argument(..., help="quantkit checkpoints made from it."),
+    dataset: list[str] = DATASETS,
+    seqlen: int = SEQLEN,
+    windows: int | None = WINDOWS,
+    kv_bits: list[int] = KV_BITS,
+    kv_scales: str = KV_SCALES,
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the table as Markdown here, and a PNG "
+                                       "bar chart of the perplexities beside it."),
+    data_dir: str | None = DATA_DIR,
+    device: str | None = DEVICE,
+    as_json: bool = AS_JSON,
+    quiet: bool = QUIET,
+) -> None:
+    """Compare checkpoints with their fp model: size, perplexity, Δ %, next-token top-1 agreement."""
+    from quantkit.eval.compare import compare as run_compare
+    from quantkit.eval.report import print_table
+
+    _setup_logging(quiet or as_json)
+    result = run_compare(fp_model, checkpoints, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, device,
+                         output, progress=not (quiet or as_json))
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    print_table(result)
+    if output is not None:
+        typer.echo(f"wrote {output} and {output.with_suffix('.png')}")
+
+
+@app.command("kv-calibrate")
+def kv_calibrate(
+    model: str = typer.Argument(..., help="A quantkit checkpoint (stats written into it), HF directory or .gguf."),
+    calib_dataset: str = typer.Option("ptb", "--calib-dataset", help="ptb, wikitext2, pydoc or a .txt/.jsonl path (valid split)."),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="Windows of calibration text."),
+    calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per window."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the window offsets."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Where kv_stats.safetensors goes (a file or "
+                                       "directory) (default: into the checkpoint; required for fp models)."),
+    data_dir: str | None = DATA_DIR,
+    device: str | None = DEVICE,
+    quiet: bool = QUIET,
+) -> None:
+    """Record per layer and KV head the ranges of K (after rotary) and V, for static KV scales."""
+    from quantkit.quantize.kv_stats import kv_calibrate as run_kv_calibrate
+
+    _setup_logging(quiet)
+    stats, path = run_kv_calibrate(model, output, calib_dataset, calib_samples, calib_seqlen, seed, data_dir,
+                                   device, progress=not quiet)
+    typer.echo(f"wrote {path} ({stats.tokens} tokens, {stats.num_layers} layers x {stats.num_kv_heads} KV heads)")
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:

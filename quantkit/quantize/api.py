@@ -82,12 +82,14 @@ def quantize(
     overwrite: bool = False,
     tokenizer: Any = None,
     progress: bool = True,
+    kv_calib: Calib = None,
 ) -> QuantizeResult:
     """Quantize a model (path, `LoadedModel` or transformers model + `tokenizer`) under `config`.
 
     `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN and int8
     need none. With `work_dir` the packed checkpoint is written there (atomically). The model's
-    weights are changed in place by AWQ's scale folding.
+    weights are changed in place by AWQ's scale folding. KV-cache statistics (kv_stats.safetensors)
+    are written from AWQ's calibration windows, or from `kv_calib` (same forms as `calib`) for any method.
     """
     if work_dir is not None:
         check_work_dir(Path(work_dir), overwrite)
@@ -106,7 +108,17 @@ def quantize(
     else:
         report["calibration"] = None
         qweights = rtn_quantize(loaded.model, loaded.spec, config.weight, progress=progress)
+        windows = None
     timings["quantize"] = time.perf_counter() - t1
+    extra: dict = {}
+    if work_dir is not None:
+        from quantkit.quantize.kv_stats import kv_stats_for_export
+
+        t_kv = time.perf_counter()
+        if kv_calib is not None:
+            windows = resolve_calibration(loaded, config, kv_calib)[0]
+        extra = kv_stats_for_export(loaded.model, windows, report, progress=progress)
+        timings["kv_stats"] = time.perf_counter() - t_kv
     report["timings_s"] = timings
     report["versions"] = _versions()
     out = None
@@ -116,7 +128,8 @@ def quantize(
         if torch.cuda.is_available():
             report["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1024**3
         report["wall_time_s"] = time.perf_counter() - t0
-        out = write_export(loaded, qweights, config, Path(work_dir), report, overwrite=overwrite)
+        out = write_export(loaded, qweights, config, Path(work_dir), report, overwrite=overwrite,
+                           extra_tensor_files=extra)
         timings["write"] = time.perf_counter() - t2
         log.info("wrote %s in %.1fs", out, timings["write"])
     report["wall_time_s"] = time.perf_counter() - t0

@@ -1,0 +1,96 @@
+"""Load any model that evaluation takes — an fp HF directory, a .gguf file or a quantkit checkpoint —
+and describe it for comparison tables (method, bits, group size, KV bits, size)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from quantkit.config import KVQuantConfig
+
+
+@dataclass
+class EvalModel:
+    """A loaded model plus what a comparison table says about it."""
+
+    model: Any
+    tokenizer: Any
+    path: str
+    name: str
+    method: str  # "fp", "rtn", "int8", "awq", …
+    bits: int  # bits per weight (16 for fp)
+    group_size: Optional[int]  # None for fp; -1 for one group per output channel
+    kv: str  # "fp" or e.g. "KV8 online"
+    size_bytes: int
+    size_note: str = ""
+
+
+def is_checkpoint(path: Path) -> bool:
+    """True when `path` is a directory whose config.json says it is quantized (awq or compressed-tensors)."""
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    except json.JSONDecodeError:
+        return False
+    return qc.get("quant_method") in ("awq", "compressed-tensors")
+
+
+def checkpoint_size(path: Path) -> int:
+    """Bytes of the weight files in a model directory."""
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern)
+               if f.name != "kv_stats.safetensors")
+
+
+def _weight_fields(path: Path) -> tuple[str, int, Optional[int]]:
+    from quantkit.runtime.loader import _layout_params, read_quant_config
+
+    qc = read_quant_config(path)
+    bits, group_size, _ = _layout_params(qc)
+    method = qc["quant_method"]
+    report = path / "quant_report.json"
+    if report.is_file():
+        method = json.loads(report.read_text()).get("method", method)
+    return method, bits, group_size
+
+
+def load_for_eval(path: str | Path, kv_bits: int = 16, kv_scales: str = "online", kv_stats: Optional[str] = None,
+                  device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> EvalModel:
+    """Load `path` for evaluation, with a quantized KV cache attached when `kv_bits` is 8 or 4.
+
+    KV statistics for static scales come from `kv_stats` (a file or directory) or else from the
+    checkpoint itself. Checkpoints load through `quantkit.load`; fp models on the CPU in float32
+    unless `dtype` says otherwise.
+    """
+    from quantkit.runtime.kv_cache import attach_kv_cache, kv_cache_factory
+
+    KVQuantConfig(kv_bits, kv_scales)  # a bad --kv-bits fails here, before any loading
+    p = Path(path)
+    if p.is_dir() and is_checkpoint(p):
+        from quantkit.runtime.loader import load
+
+        model, tok = load(p, device=device, dtype=dtype)
+        method, bits, group_size = _weight_fields(p)
+        size, note = checkpoint_size(p), ""
+    else:
+        from quantkit.models.loading import load_fp_model
+
+        loaded = load_fp_model(p, dtype=dtype or torch.float32)
+        model, tok = loaded.model, loaded.tokenizer
+        if device:
+            model.to(device)
+        method, bits, group_size = "fp", 16, None
+        if p.is_file():  # a .gguf is evaluated dequantized: its fp16 size is the one to compare with
+            size = sum(t.numel() for t in model.parameters()) * 2  # parameters() counts tied weights once
+            note = "fp16 size of the dequantized .gguf"
+        else:
+            size, note = checkpoint_size(p), ""
+    attach_kv_cache(model, kv_stats if kv_stats is not None else (p if p.is_dir() else None), kv_bits, kv_scales)
+    factory = kv_cache_factory(model)
+    kv = factory.settings.describe() if factory else "fp"
+    return EvalModel(model, tok, str(p), p.name, method, bits, group_size, kv, size, note)

@@ -1,0 +1,107 @@
+"""Render a `Comparison`: a rich table for the terminal, a Markdown table, a PNG bar chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from quantkit.eval.compare import Comparison, ModelRow
+
+
+def _group(row: ModelRow) -> str:
+    if row.group_size is None:
+        return "—"
+    return "channel" if row.group_size == -1 else str(row.group_size)
+
+
+def table_rows(result: Comparison) -> tuple[list[str], list[list[str]]]:
+    """Header and cells shared by every rendering."""
+    header = ["model", "method", "W bits", "group", "KV cache", "size (MB)"]
+    for d in result.datasets:
+        header.append(f"ppl {d}")
+        if result.reference:
+            header.append(f"Δ % {d}")
+    if result.reference:
+        header.append("top-1 agreement")
+    cells = []
+    for row in result.rows:
+        size = f"{row.size_bytes / 1e6:.1f}" + ("*" if row.size_note else "")
+        line = [row.name, row.method, str(row.bits), _group(row), row.kv, size]
+        for d in result.datasets:
+            line.append(f"{row.ppl[d]:.3f}")
+            if result.reference:
+                line.append(f"{row.delta_pct[d]:+.2f}" if d in row.delta_pct else "—")
+        if result.reference:
+            agree = row.top1_agreement
+            line.append("—" if agree is None else f"{100 * agree:.1f} %")
+        cells.append(line)
+    return header, cells
+
+
+def _footnotes(result: Comparison) -> list[str]:
+    notes = [f"Perplexity: test split, seqlen {result.seqlen}, "
+             f"{'all' if result.windows is None else f'first {result.windows}'} non-overlapping windows."]
+    notes += sorted({f"* {r.size_note}." for r in result.rows if r.size_note})
+    if result.reference:
+        notes.append("Δ % and top-1 agreement (next-token argmax equal to the reference's, on the first "
+                     f"dataset) are against {Path(result.reference).name} with an unquantized KV cache.")
+    return notes
+
+
+def print_table(result: Comparison, title: Optional[str] = None) -> None:
+    """Print the comparison with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    header, cells = table_rows(result)
+    table = Table(title=title)
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i < 5 else "right")
+    for line in cells:
+        table.add_row(*line)
+    console = Console()
+    console.print(table)
+    for n in _footnotes(result):
+        console.print(n, style="dim")
+
+
+def markdown_table(result: Comparison) -> str:
+    header, cells = table_rows(result)
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    return "\n".join(lines) + "\n\n" + "\n".join(_footnotes(result)) + "\n"
+
+
+def plot_perplexity(result: Comparison, png: Path) -> Path:
+    """Grouped bars: perplexity per model and KV setting, one colour per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window (servers, CI)
+    import matplotlib.pyplot as plt
+
+    labels = [r.name if r.kv == "fp" else f"{r.name}\n{r.kv}" for r in result.rows]
+    n = len(result.datasets)
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(labels) + 1), 3.8))
+    for j, d in enumerate(result.datasets):
+        xs = [i + (j - (n - 1) / 2) * width for i in range(len(labels))]
+        bars = ax.bar(xs, [r.ppl[d] for r in result.rows], width, label=d)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel(f"perplexity (seqlen {result.seqlen})")
+    if n > 1:
+        ax.legend()
+    ax.set_title("Perplexity by model (lower is better)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def write_report(result: Comparison, output: Path) -> tuple[Path, Path]:
+    """Write the Markdown report to `output` and its chart beside it (same name, .png)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    png = plot_perplexity(result, output.with_suffix(".png"))
+    text = "# quantkit comparison\n\n" + markdown_table(result) + f"\n![perplexity]({png.name})\n"
+    output.write_text(text)
+    return output, png
