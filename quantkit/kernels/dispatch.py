@@ -42,10 +42,11 @@ def _gemm(block_m: int, block_n: int, programs: float) -> Choice:
 
 _CUBLAS = Choice("dequant+cublas")
 # bits → rows of (largest M, choice); the first row whose bound is ≥ M is used. Measured on the H200
-# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M).
+# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M). Beyond
+# M = 128 (W4) and M = 16 (W8) the fused kernels lost to dequantize + cuBLAS in that run.
 TABLE: dict[int, list[tuple[int, Choice]]] = {
     4: [
-        (1, _gemv(32, 16, 2, 8)),
+        (1, _gemv(64, 16, 4, 4)),
         (2, _gemv(64, 16, 4, 4)),
         (16, _gemm(16, 64, 4)),
         (32, _gemm(32, 64, 4)),
@@ -54,7 +55,7 @@ TABLE: dict[int, list[tuple[int, Choice]]] = {
         (1 << 30, _CUBLAS),
     ],
     8: [
-        (1, _gemv(64, 16, 4, 4)),
+        (1, _gemv(32, 16, 4, 4)),
         (16, _gemm(16, 64, 4)),
         (1 << 30, _CUBLAS),
     ],

@@ -1,12 +1,13 @@
 """Tensor-core GEMM for M ≥ 2, and a dequantize kernel for the dequantize-then-cuBLAS path.
 
-The GEMM dequantizes each [BLOCK_N, BLOCK_KW] tile of packed words plane by plane (see
-triton_layout: plane j of a tile holds the inputs 4·j + w of each 4-word block) and feeds every plane
-to `tl.dot` with the matching columns of x, accumulating in fp32. With fp16 activations the
-dequantization stays in fp16: (q | 0x6400) read as fp16 is 1024 + q, so subtracting 1024 + z is exact
-and one multiply by the fp16 scale rounds once, like the reference. With bf16 it goes through fp32
-(2^23 + q trick) and rounds once to bf16. SWAP_AB computes (W xᵀ)ᵀ so that a small M becomes the
-narrow side of the tensor-core tile. Split-K as in triton_splitk.
+The GEMM dequantizes each tile of packed words plane by plane (see triton_layout: plane j of a tile
+holds the inputs 4·j + w of each 4-word block) and feeds every plane to `tl.dot` with the matching
+columns of x, accumulating in fp32. With fp16 activations the dequantization stays in fp16:
+(q | 0x6400) read as fp16 is 1024 + q, so subtracting 1024 + z is exact and one multiply by the fp16
+scale rounds once, like the reference. With bf16 it goes through fp32 (2^23 + q) and rounds once to
+bf16. SWAP_AB computes (W xᵀ)ᵀ: the dequantized tile is then the register operand of Hopper's wgmma
+and a small M the narrow side of the tile (the tuned choice at every M measured). Split-K as in
+triton_splitk.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.triton_layout import KernelWeights
-from quantkit.kernels.triton_splitk import counters, store_tile, workspace
+from quantkit.kernels.triton_splitk import clamp_split, counters, store_tile, workspace
 
 
 @triton.jit
@@ -164,7 +165,7 @@ def gemm(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k8, g = kw.qweight.shape[1], kw.scales.shape[1]
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split_k = max(1, min(split_k, triton.cdiv(k8, 4 * blocks)))
+    split_k = clamp_split(max(1, min(split_k, triton.cdiv(k8, 4 * blocks))), m, n)
     ws = workspace(split_k, m, n, x.device)
     cnt = counters(x.device, tiles)
     gemm_kernel[(tiles, split_k)](

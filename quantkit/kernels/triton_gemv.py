@@ -1,11 +1,13 @@
 """Split-K GEMV for small M: y = x Wᵀ with W 4- or 8-bit in the block-planar kernel layout.
 
 One program owns BLOCK_N output columns of one row of x and a slice of K. Each step loads a
-[BLOCK_N, BLOCK_KW] tile of packed words (16-byte loads along K), splits it into its 32/b bit planes
-and multiplies each plane with the four-input runs of x it meets (8-byte loads), in fp32 CUDA-core
-FMAs: at M = 1 a tensor-core tile would be 15/16 padding. The integer → float step uses the
-exponent trick: (q | 0x4B000000) read as fp32 is 2^23 + q, so subtracting 2^23 + z gives q − z
-exactly with one add instead of a slow int→float conversion. The scale multiplies once per word.
+[BLOCK_N, 4·BLOCKS] tile of packed words (16-byte loads along K, the next tile requested before this
+one is used), splits it into its 32/b bit planes and multiplies each plane with the four-input runs
+of x it meets (8-byte loads), in fp32 CUDA-core FMAs: at M = 1 a tensor-core tile would be 15/16
+padding. Integer → float costs one AND per value: a plane masked in place and read as fp32 bits is
+the subnormal q·2^(pos−149), which the FMA takes at full speed (x is pre-scaled by 2^(100−pos)); the
+zero point enters once per block as z·Σx. DENORMAL=False keeps the slower exponent trick
+((q | 0x4B000000) as fp32 is 2^23 + q) for comparison. The scale multiplies once per block.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.triton_layout import KernelWeights
-from quantkit.kernels.triton_splitk import counters, store_tile, workspace
+from quantkit.kernels.triton_splitk import clamp_split, counters, store_tile, workspace
 
 
 @triton.jit
@@ -117,7 +119,7 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k8, g = kw.qweight.shape[1], kw.scales.shape[1]
     n_tiles = triton.cdiv(n, block_n)
-    split_k = max(1, min(split_k, triton.cdiv(k8, 4 * blocks)))
+    split_k = clamp_split(max(1, min(split_k, triton.cdiv(k8, 4 * blocks))), m, n)
     ws = workspace(split_k, m, n, x.device)
     cnt = counters(x.device, m * n_tiles)
     grid = (m, n_tiles, split_k)

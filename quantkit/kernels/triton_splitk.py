@@ -28,6 +28,11 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def clamp_split(split_k: int, m: int, n: int) -> int:
+    """split_k, lowered if need be so that workspace offsets (int32 in the kernels) stay below 2^31."""
+    return max(1, min(split_k, (2**31 - 1) // max(m * n, 1)))
+
+
 def workspace(split_k: int, m: int, n: int, device: torch.device) -> torch.Tensor:
     """fp32 partials [split_k, m, n]; a 1-element dummy when split_k is 1."""
     if split_k == 1:
