@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 METHODS = ("rtn", "int8", "awq")
 FORMATS = ("awq", "compressed-tensors")
@@ -70,11 +70,32 @@ class AWQConfig:
     """Settings of the activation-aware scale and clip search."""
 
     n_grid: int = 20
-    duo_scaling: bool = True
+    # True/False, or "both": search the ratio grid with and without the weight statistic.
+    duo_scaling: Union[bool, str] = True
     max_shrink: float = 0.5
     clip: bool = True
     search_tokens: int = 4096
     clip_tokens: int = 512
+    # Clip min and max apart (asymmetric quantization only); False shrinks both ends together.
+    asym_clip: bool = True
+    # Scale v→o under grouped-query attention too (one scale per v row, shared by its query heads).
+    gqa_scaling: bool = True
+    # Inputs of each block: "quantized" (outputs of the already-quantized blocks) or "fp" (reference tools).
+    propagate: str = "quantized"
+    # On the CPU, run the blocks in fp32 with bf16 matrix products (AMX units make them ~10x faster).
+    cpu_bf16: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_grid < 1:
+            raise ConfigError("--n-grid must be ≥ 1.")
+        if not 0 < self.max_shrink <= 1:
+            raise ConfigError(f"--max-shrink {self.max_shrink} is out of range: choose a value in (0, 1].")
+        if self.duo_scaling not in (True, False, "both"):
+            raise ConfigError(f"duo_scaling {self.duo_scaling!r} is not supported: choose true, false or both.")
+        if self.propagate not in ("quantized", "fp"):
+            raise ConfigError(f"propagate {self.propagate!r} is not supported: choose quantized or fp.")
+        if self.search_tokens < 1:
+            raise ConfigError("search_tokens must be ≥ 1.")
 
 
 @dataclass(frozen=True)

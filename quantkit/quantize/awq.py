@@ -1,0 +1,303 @@
+"""AWQ W4A16: the block-by-block calibration driver, generic over the registry's data.
+
+Per decoder block: move it to the device; one fp forward over every calibration window gathers the
+statistics (mean |x| and per-group Gram matrices for each set of linears sharing an input) and the
+loss modules' inputs on the search windows; then per registry group: search scales, fold them; then
+per linear: search the clip range, quantize, and put the dequantized weight back (so the in-memory
+model computes what the checkpoint holds). The block's outputs become the next block's inputs.
+
+Which outputs: with `propagate="quantized"` (default) the next block sees what the already
+quantized blocks produce, so each search corrects for the error the earlier blocks left, as GPTQ
+does; it costs a second forward of the block. `propagate="fp"` reproduces the reference tools,
+which feed every block the fp model's activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from quantkit.config import QuantizeConfig
+from quantkit.models.registry import ArchSpec, ScaleGroup
+from quantkit.quantize.calibration import (
+    BlockInputs,
+    InputStats,
+    call_layer,
+    call_module,
+    capture_inputs,
+)
+from quantkit.quantize.folding import fold_scales, head_tying, identity, output_channels
+from quantkit.quantize.primitives import QuantizedWeight, quantize_weight
+from quantkit.quantize.rtn import check_group_size, decoder_layers
+from quantkit.quantize.search import candidate_scales, search_clip, search_scales, weight_magnitude
+
+log = logging.getLogger(__name__)
+
+# Linears whose clip range is never searched: a per-linear output error says nothing about how the
+# softmax reacts to clipped queries and keys (the published method skips them as well).
+DEFAULT_NO_CLIP = ("q_proj", "k_proj", "wq", "wk", "query", "key")
+
+
+def resolve_device(name: Optional[str]) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def input_sets(spec: ArchSpec) -> list[tuple[str, ...]]:
+    """Linears that share one input: each registry group's linears, and every other linear alone."""
+    sets = [tuple(g.linears) for g in spec.groups]
+    covered = {name for s in sets for name in s}
+    return sets + [(name,) for name in spec.linears if name not in covered]
+
+
+def _clipped(spec: ArchSpec, name: str) -> bool:
+    no_clip = spec.extra.get("no_clip", DEFAULT_NO_CLIP)
+    return name.rsplit(".", 1)[-1] not in no_clip
+
+
+class _Phases:
+    """Wall time per phase, synchronising the accelerator so that time lands where it is spent."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _compute(device: torch.device, cpu_bf16: bool) -> Callable[[], Any]:
+    """Context for forwards: on the CPU, bf16 matrix products (AMX) over an fp32 block; else nothing."""
+    if device.type == "cpu" and cpu_bf16:
+        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+@torch.no_grad()
+def _fp_pass(layer, spec, inputs: BlockInputs, index: int, cfg: QuantizeConfig, n_search: int, fwd, device):
+    """One fp forward of the block over all batches: outputs, stats per input set, loss-module calls."""
+    sets = input_sets(spec)
+    stats: dict[tuple[str, ...], InputStats] = {}
+    for names in sets:
+        lin = layer.get_submodule(names[0])
+        gs = cfg.weight.effective_group_size(lin.in_features)
+        with_cov = cfg.awq.clip and any(_clipped(spec, n) for n in names)
+        stats[names] = InputStats.empty(lin.in_features, gs, device, with_cov)
+    captured: dict[int, list] = {gi: [] for gi in range(len(spec.groups))}
+    state = {"search": False}
+    handles = []
+
+    def stat_hook(names):
+        def hook(_module, args):
+            with torch.autocast(device.type, enabled=False):
+                stats[names].add(args[0])
+        return hook
+
+    def capture_hook(gi):
+        def hook(_module, args, kwargs):
+            if state["search"]:
+                captured[gi].append((args, kwargs))
+        return hook
+
+    for names in sets:
+        handles.append(layer.get_submodule(names[0]).register_forward_pre_hook(stat_hook(names)))
+    for gi, group in enumerate(spec.groups):
+        mod = layer.get_submodule(group.loss_module)
+        handles.append(mod.register_forward_pre_hook(capture_hook(gi), with_kwargs=True))
+    outputs = []
+    try:
+        seen = 0
+        for hidden, kwargs in inputs.batches(index):
+            state["search"] = seen < n_search
+            with fwd():
+                outputs.append(call_layer(layer, hidden, kwargs))
+            seen += hidden.shape[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return outputs, stats, captured
+
+
+def _search_group(layer, group: ScaleGroup, stats: InputStats, calls: list, model_config, cfg: QuantizeConfig,
+                  fwd, gqa: bool) -> dict[str, Any]:
+    """Search and fold one group's scales; returns its report entry."""
+    prev = layer.get_submodule(group.prev)
+    linears = [layer.get_submodule(n) for n in group.linears]
+    loss_module = layer.get_submodule(group.loss_module)
+    entry: dict[str, Any] = {"prev": group.prev, "linears": list(group.linears), "fallback": None}
+    n_out, n_in = output_channels(prev), linears[0].in_features
+    reduce, expand = identity, identity
+    if n_out != n_in:
+        tying = head_tying(model_config, n_out, n_in) if gqa else None
+        if tying is None:
+            entry["fallback"] = "shapes differ (grouped-query attention); group skipped"
+            return entry
+        reduce, expand = tying.reduce, tying.expand
+        entry["tied_heads"] = tying.repeat
+    if stats.nonfinite or not calls:
+        entry["fallback"] = "NaN/Inf in activations: plain RTN" if stats.nonfinite else "no search batches"
+        return entry
+
+    def run() -> list[torch.Tensor]:
+        with fwd():
+            return [call_module(loss_module, a, k) for a, k in calls]
+
+    reference = run()
+    if not all(torch.isfinite(r).all() for r in reference):
+        entry["fallback"] = "NaN/Inf in the loss module's output: plain RTN"
+        return entry
+    x_mean = reduce(stats.mean_abs)
+    gs = cfg.weight.effective_group_size(n_in)
+    candidates = []
+    duo_modes = {"on": (True,), "off": (False,), "both": (False, True)}[_duo_mode(cfg)]
+    for duo in duo_modes:
+        w_mean = reduce(weight_magnitude([lin.weight for lin in linears], gs)) if duo else None
+        candidates += [(a, duo, s) for a, s in candidate_scales(x_mean, w_mean, cfg.awq.n_grid)]
+    result = search_scales(linears, run, reference, candidates, expand, cfg.weight)
+    entry.update(loss_rtn=result.loss_rtn, loss=result.loss, ratio=result.ratio, duo=result.duo)
+    if result.scales is None:
+        entry["fallback"] = "no scaling beat plain RTN"
+        return entry
+    fold_scales(prev, linears, result.scales, expand(result.scales))
+    stats.abs_sum /= expand(result.scales).to(stats.abs_sum.device)
+    if stats.cov is not None:
+        inv = 1.0 / expand(result.scales).to(stats.cov.device).reshape(stats.cov.shape[0], -1)
+        stats.cov.mul_(inv.unsqueeze(2) * inv.unsqueeze(1))
+    return entry
+
+
+def _duo_mode(cfg: QuantizeConfig) -> str:
+    duo = cfg.awq.duo_scaling
+    if isinstance(duo, str):
+        return duo
+    return "on" if duo else "off"
+
+
+@torch.no_grad()
+def _quantize_linears(layer, spec, prefix: str, sets_stats: dict, cfg: QuantizeConfig) -> tuple[dict, dict]:
+    """Clip-search and quantize every linear of the block; the layer keeps the dequantized weights."""
+    out: dict[str, QuantizedWeight] = {}
+    clip_report: dict[str, Any] = {}
+    for names, stats in sets_stats.items():
+        for name in names:
+            lin = layer.get_submodule(name)
+            w = lin.weight.data.float()
+            max_val = min_val = None
+            if cfg.awq.clip and stats.cov is not None and _clipped(spec, name) and not stats.nonfinite:
+                res = search_clip(w, stats.cov, cfg.weight, cfg.awq.n_grid, cfg.awq.max_shrink, cfg.awq.asym_clip)
+                if math.isfinite(res.loss) and res.loss <= res.loss_noclip:
+                    max_val, min_val = res.max_val, res.min_val
+                clip_report[name] = {"loss_noclip": res.loss_noclip, "loss": res.loss}
+            qw = quantize_weight(w, cfg.weight, max_val, min_val)
+            deq = qw.dequantize()
+            if not torch.isfinite(deq).all():  # the guard: never keep a non-finite weight
+                qw = quantize_weight(torch.nan_to_num(w), cfg.weight)
+                deq = qw.dequantize()
+                clip_report.setdefault(name, {})["fallback"] = "non-finite weight: plain RTN of nan_to_num"
+            lin.weight.data = deq.to(lin.weight.dtype)
+            out[f"{prefix}.{name}"] = QuantizedWeight(qw.q.to(torch.uint8 if qw.bits <= 8 else torch.int16).cpu(),
+                                                      qw.zeros.cpu(), qw.scales.cpu(), qw.bits, qw.group_size)
+    return out, clip_report
+
+
+def _release(layer, spec) -> None:
+    """Drop the block linears' fp weights (the codes are kept): the host then holds about one model."""
+    for name in spec.linears:
+        lin = layer.get_submodule(name)
+        lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+
+
+def awq_quantize(
+    model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor, report: dict[str, Any],
+    progress: bool = True, release_weights: bool = False,
+) -> dict[str, QuantizedWeight]:
+    """AWQ-quantize every block linear of `model` (CPU, fp16) with calibration `windows` [n, seqlen].
+
+    Scales are folded into the model in place and each quantized linear holds its dequantized weight
+    afterwards (unless `release_weights`, which frees them for models near the size of host memory).
+    Returns {full module name: QuantizedWeight}; settings, losses, ratios, fallbacks and per-phase
+    times go into `report["awq"]`.
+    """
+    check_group_size(model, spec, config.weight)
+    awq = config.awq
+    device = resolve_device(config.device)
+    act_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    fwd = _compute(device, awq.cpu_bf16)
+    phases = _Phases(device)
+    batch = config.calib.batch_size
+    seqlen = windows.shape[1]
+    n_search = min(windows.shape[0], max(1, math.ceil(awq.search_tokens / seqlen)))
+    info: dict[str, Any] = {
+        "device": str(device), "activations": str(act_dtype).replace("torch.", ""),
+        "cpu_bf16_matmul": device.type == "cpu" and awq.cpu_bf16,
+        "propagate": awq.propagate, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
+        "blocks": [], "fallbacks": [],
+    }
+    report["awq"] = info
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with phases("capture"):
+        inputs = capture_inputs(model, spec, windows, batch, device, act_dtype)
+    layers = decoder_layers(model, spec)
+    qweights: dict[str, QuantizedWeight] = {}
+    bar = tqdm(layers, desc=f"AWQ W{config.weight.bits}", disable=not progress, unit="block")
+    for index, layer in enumerate(bar):
+        prefix = f"{spec.layers_path}.{index}"
+        store_dtype = next(layer.parameters()).dtype
+        with phases("transfer"):
+            layer.to(device=device, dtype=act_dtype)
+        with phases("forward"):
+            fp_out, stats, captured = _fp_pass(layer, spec, inputs, index, config, n_search, fwd, device)
+        block: dict[str, Any] = {"index": index, "groups": []}
+        with phases("search"):
+            for gi, group in enumerate(spec.groups):
+                entry = _search_group(layer, group, stats[tuple(group.linears)], captured[gi], model.config,
+                                      config, fwd, awq.gqa_scaling)
+                block["groups"].append(entry)
+                if entry["fallback"]:
+                    info["fallbacks"].append(f"{prefix}: {group.prev} → {','.join(group.linears)}: {entry['fallback']}")
+        del captured
+        with phases("clip+quantize"):
+            q, block["clip"] = _quantize_linears(layer, spec, prefix, stats, config)
+            qweights.update(q)
+        del stats
+        if awq.propagate == "quantized":
+            with phases("forward"), torch.no_grad():
+                outs = []
+                for hidden, kwargs in inputs.batches(index):
+                    with fwd():
+                        outs.append(call_layer(layer, hidden, kwargs))
+                inputs.hidden = outs
+            del fp_out
+        else:
+            inputs.hidden = fp_out
+        with phases("transfer"):
+            layer.to(device="cpu", dtype=store_dtype)
+            if release_weights:
+                _release(layer, spec)
+        searched = [g for g in block["groups"] if "loss" in g]
+        before = sum(g["loss_rtn"] for g in searched)
+        after = sum(g["loss"] for g in searched)
+        block["loss_rtn"], block["loss"] = before, after
+        info["blocks"].append(block)
+        log.info("block %d: search loss %.4g → %.4g (%s)", index, before, after,
+                 ", ".join(f"{g['prev']}:{'RTN' if g['fallback'] else format(g['ratio'], '.2f')}" for g in block["groups"]))
+        bar.set_postfix(loss=f"{before:.3g}→{after:.3g}")
+    info["phases_s"] = {k: round(v, 3) for k, v in phases.seconds.items()}
+    if device.type == "cuda":
+        info["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
+    return qweights

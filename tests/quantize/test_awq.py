@@ -1,0 +1,136 @@
+"""AWQ on tiny models: folding keeps the fp function, the search never loses to RTN, NaN guards,
+and every registry family round-trips quantize → export → quantkit.load with the in-memory logits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.config import build_config
+from quantkit.models.loading import load_fp_model
+from quantkit.quantize import awq as awq_mod
+from quantkit.quantize.folding import HeadTying, fold_scales
+from quantkit.quantize.search import search_clip
+from tiny import make_tiny_model
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster than two, and far faster when the cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+FAST = {"awq.n_grid": 8, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32}
+
+
+def windows(n: int = 8, seqlen: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 300, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def run_awq(model, **overrides):
+    from quantkit.models.registry import spec_for_config
+
+    report: dict = {}
+    config = build_config(method="awq", **{**FAST, **overrides})
+    qweights = awq_mod.awq_quantize(model, spec_for_config(model.config), config, windows(), report, progress=False)
+    return qweights, report["awq"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_folding_keeps_the_fp_function(arch, monkeypatch):
+    """With quantization switched off, the searched scales are folded and the logits stay the same."""
+    model = make_tiny_model(arch)  # fp32, so only rounding of the folds themselves can differ
+    ids = windows(2, 24, seed=1)
+    with torch.no_grad():
+        before = model(ids).logits
+    monkeypatch.setattr(awq_mod, "_quantize_linears", lambda *a, **k: ({}, {}))
+    _, info = run_awq(model, **{"awq.propagate": "fp"})
+    folded = [g for b in info["blocks"] for g in b["groups"] if not g["fallback"]]
+    assert len(folded) >= 4, info["fallbacks"]  # scales really were applied, v→o under GQA included
+    assert any(g.get("tied_heads") == 2 for g in folded)
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_gqa_fold_matches_attention_output():
+    """A v→o fold under GQA leaves o(attention(v)) unchanged for random scales (not just searched ones)."""
+    torch.manual_seed(0)
+    kv, g, hd, hidden = 2, 3, 4, 16
+    v = torch.nn.Linear(hidden, kv * hd, bias=True)
+    o = torch.nn.Linear(kv * g * hd, hidden, bias=False)
+    x = torch.randn(5, hidden)
+
+    def out():  # each query head reads its kv head's values (repeat_kv)
+        vals = v(x).reshape(5, kv, 1, hd).expand(5, kv, g, hd).reshape(5, -1)
+        return o(vals)
+
+    ref = out()
+    tying = HeadTying(kv, g, hd)
+    s = torch.rand(kv * hd) + 0.5
+    with torch.no_grad():
+        fold_scales(v, [o], s, tying.expand(s))
+    torch.testing.assert_close(out(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_search_never_worse_than_rtn(arch):
+    qweights, info = run_awq(make_tiny_model(arch).half())
+    assert len(qweights) == 2 * 7
+    searched = [g for b in info["blocks"] for g in b["groups"] if "loss" in g]
+    assert len(searched) == 8
+    for g in searched:
+        assert g["loss"] <= g["loss_rtn"], g
+    assert any(g["loss"] < g["loss_rtn"] for g in searched)  # the search does something
+    for b in info["blocks"]:
+        for name, c in b["clip"].items():
+            assert c["loss"] <= c["loss_noclip"] * (1 + 1e-6), (name, c)
+    assert {"capture", "forward", "search", "clip+quantize"} <= set(info["phases_s"])
+
+
+def test_clip_search_beats_minmax_on_its_objective():
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    w[0, 3] = 8.0  # an outlier that min/max quantization wastes its range on
+    x = torch.randn(256, 64)
+    cov = torch.einsum("tgi,tgj->gij", x.reshape(256, 2, 32), x.reshape(256, 2, 32))
+    cfg = build_config(method="awq", **{"weight.group_size": 32}).weight
+    res = search_clip(w, cov, cfg, n_grid=20, max_shrink=0.5)
+    assert res.loss < res.loss_noclip
+    assert (res.max_val <= w.reshape(16, 2, 32).amax(-1) + 1e-6).all()
+
+
+def test_nan_activations_fall_back_to_rtn():
+    model = make_tiny_model("llama").half()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[windows()[0, 0]] = float("nan")
+    qweights, info = run_awq(model)
+    assert any("NaN" in f for f in info["fallbacks"])
+    for qw in qweights.values():
+        assert torch.isfinite(qw.scales).all() and torch.isfinite(qw.dequantize()).all()
+
+
+@pytest.mark.parametrize("arch,fmt", [("llama", "awq"), ("mistral", "awq"), ("qwen2", "awq"), ("qwen3", "compressed-tensors"),
+                                      ("internlm2", "awq")])
+def test_export_loads_with_in_memory_logits(tiny_models, text_file, tmp_path, arch, fmt):
+    loaded = load_fp_model(tiny_models[arch])
+    config = build_config(method="awq", format=fmt, **FAST, **{"calib.samples": 8, "calib.seqlen": 32})
+    res = quantkit.quantize(loaded, config, calib=str(text_file), work_dir=tmp_path / "q", progress=False)
+    ids = windows(2, 16, seed=3)
+    with torch.no_grad():
+        want = torch.nn.Module.float(loaded.model)(ids).logits
+        model, _ = quantkit.load(res.work_dir, device="cpu", dtype=torch.float32)
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    report = json.loads((res.work_dir / "quant_report.json").read_text())
+    blocks = report["awq"]["blocks"]
+    assert len(blocks) == 2 and all(math.isfinite(b["loss"]) for b in blocks)
+    assert report["calibration"]["samples"] == 8
+    if arch == "internlm2":  # its registry entry has no v→o group: the safe groups only
+        assert [g["prev"] for g in blocks[0]["groups"]] == ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
