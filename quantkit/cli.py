@@ -225,6 +225,40 @@ def kv_calibrate(
     typer.echo(f"wrote {path} ({stats.tokens} tokens, {stats.num_layers} layers x {stats.num_kv_heads} KV heads)")
 
 
+@app.command()
+def awq(
+    model: str = MODEL_ARG,
+    work_dir: Path = WORK_DIR,
+    w_bits: int | None = typer.Option(None, "--w-bits", help="Bits per weight, 2–8 (default: 4)."),
+    group_size: int | None = typer.Option(
+        None, "--group-size", help="Inputs per scale: 32, 64, 128 or -1 (default: 128); must divide every layer's input dimension."),
+    calib_dataset: str | None = typer.Option(
+        None, "--calib-dataset", help="ptb, wikitext2, pydoc, or a .txt/.jsonl file (default: ptb)."),
+    calib_samples: int | None = typer.Option(None, "--calib-samples", help="Calibration windows (default: 128)."),
+    calib_seqlen: int | None = typer.Option(None, "--calib-seqlen", help="Tokens per window (default: 512)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the window sampling (default: 0)."),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Folder holding ptb.valid.txt / wiki2.valid.txt for offline use (or QUANTKIT_DATA_DIR)."),
+    n_grid: int | None = typer.Option(None, "--n-grid", help="Ratios tried by the scale search, shrink steps of the clip search (default: 20)."),
+    duo_scaling: bool | None = typer.Option(
+        None, "--duo-scaling/--no-duo-scaling", help="Divide the scales by the weights' own magnitude too (default: on)."),
+    max_shrink: float | None = typer.Option(None, "--max-shrink", help="Smallest clip range, as a fraction of the max (default: 0.5)."),
+    no_clip: bool = typer.Option(False, "--no-clip", help="Skip the clip search."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Windows per forward: bounds activation memory (default: 8)."),
+    device: str | None = typer.Option(None, "--device", help="Where blocks are calibrated: cuda, cuda:1, cpu (default: cuda when present)."),
+    fmt: str | None = FORMAT,
+    overwrite: bool = OVERWRITE,
+    recipe: Path | None = RECIPE,
+    quiet: bool = QUIET,
+) -> None:
+    """Activation-aware W4A16 (AWQ): scale and clip search on calibration text, block by block."""
+    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="awq", format=fmt, device=device, **{
+        "weight.bits": w_bits, "weight.group_size": group_size, "calib.dataset": calib_dataset,
+        "calib.samples": calib_samples, "calib.seqlen": calib_seqlen, "calib.seed": seed, "calib.data_dir": data_dir,
+        "calib.batch_size": batch_size, "awq.n_grid": n_grid, "awq.duo_scaling": duo_scaling,
+        "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None})
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and exit code 2."""
     try:

@@ -134,3 +134,20 @@ def test_export_loads_with_in_memory_logits(tiny_models, text_file, tmp_path, ar
     assert report["calibration"]["samples"] == 8
     if arch == "internlm2":  # its registry entry has no v→o group: the safe groups only
         assert [g["prev"] for g in blocks[0]["groups"]] == ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
+
+
+def test_cli_awq(tiny_models, text_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    out = tmp_path / "cli"
+    result = CliRunner().invoke(app, [
+        "awq", str(tiny_models["qwen2"]), "--work-dir", str(out), "--w-bits", "4", "--group-size", "32",
+        "--calib-dataset", str(text_file), "--calib-samples", "4", "--calib-seqlen", "32", "--n-grid", "4",
+        "--no-duo-scaling", "--no-clip", "--batch-size", "2", "--device", "cpu", "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["method"] == "awq" and report["config"]["awq"]["clip"] is False
+    assert report["config"]["awq"]["duo_scaling"] is False and report["calibration"]["samples"] == 4
+    assert all(not b["clip"] for b in report["awq"]["blocks"])
