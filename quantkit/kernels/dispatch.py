@@ -46,7 +46,7 @@ _CUBLAS = Choice("dequant+cublas")
 # M = 128 (W4) and M = 16 (W8) the fused kernels lost to dequantize + cuBLAS in that run.
 TABLE: dict[int, list[tuple[int, Choice]]] = {
     4: [
-        (1, _gemv(64, 16, 4, 4)),
+        (1, _gemv(32, 16, 2, 8)),
         (2, _gemv(64, 16, 4, 4)),
         (16, _gemm(16, 64, 4)),
         (32, _gemm(32, 64, 4)),
@@ -55,7 +55,7 @@ TABLE: dict[int, list[tuple[int, Choice]]] = {
         (1 << 30, _CUBLAS),
     ],
     8: [
-        (1, _gemv(32, 16, 4, 4)),
+        (1, _gemv(64, 16, 4, 4)),
         (16, _gemm(16, 64, 4)),
         (1 << 30, _CUBLAS),
     ],

@@ -1,10 +1,9 @@
 """Split-K GEMV for small M: y = x Wᵀ with W 4- or 8-bit in the block-planar kernel layout.
 
 One program owns BLOCK_N output columns of one row of x and a slice of K. Each step loads a
-[BLOCK_N, 4·BLOCKS] tile of packed words (16-byte loads along K, the next tile requested before this
-one is used), splits it into its 32/b bit planes and multiplies each plane with the four-input runs
-of x it meets (8-byte loads), in fp32 CUDA-core FMAs: at M = 1 a tensor-core tile would be 15/16
-padding. Integer → float costs one AND per value: a plane masked in place and read as fp32 bits is
+[BLOCK_N, 4·BLOCKS] tile of packed words (16-byte loads along K), splits it into its 32/b bit planes
+and multiplies each plane with the four-input runs of x it meets (8-byte loads), in fp32 CUDA-core
+FMAs: at M = 1 a tensor-core tile would be 15/16 padding. Integer → float costs one AND per value: a plane masked in place and read as fp32 bits is
 the subnormal q·2^(pos−149), which the FMA takes at full speed (x is pre-scaled by 2^(100−pos)); the
 zero point enters once per block as z·Σx. DENORMAL=False keeps the slower exponent trick
 ((q | 0x4B000000) as fp32 is 2^23 + q) for comparison. The scale multiplies once per block.
@@ -48,14 +47,11 @@ def gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K8
     sz_rows = offs_n[:, None] * G
     acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
-    # A 2-D load keeps consecutive words on consecutive lanes (16-byte, coalesced loads); the next
-    # tile is requested before this one is used, so two tiles per program are in flight.
-    nxt = tl.load(w_rows + (lo + offs_i)[None, :], mask=n_ok[:, None] & ((lo + offs_i) < hi)[None, :], other=0)
     for w0 in range(lo, hi, TILE_W):
+        # A 2-D load keeps consecutive words on consecutive lanes (16-byte, coalesced loads).
         i_ok = (w0 + offs_i) < hi
-        wt = nxt.to(tl.uint32, bitcast=True)
-        ahead = w0 + TILE_W + offs_i
-        nxt = tl.load(w_rows + ahead[None, :], mask=n_ok[:, None] & (ahead < hi)[None, :], other=0)
+        wt = tl.load(w_rows + (w0 + offs_i)[None, :], mask=n_ok[:, None] & i_ok[None, :], other=0)
+        wt = wt.to(tl.uint32, bitcast=True)
         blk = w0 + offs_b * 4
         sz = sz_rows + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
         s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0).to(tl.float32)
