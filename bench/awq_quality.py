@@ -1,8 +1,8 @@
 """AWQ quality on SmolLM2-135M-Instruct: perplexity of fp, RTN and AWQ variants, and AWQ's CPU time.
 
-    python bench/awq_quality.py                       # the issue's setting: W4 g64, 128 × 512 PTB-valid
-    python bench/awq_quality.py --bits 3 --variants default
-    python bench/awq_quality.py --samples 32 --variants default,fp-propagation,no-duo   # ablations
+    python -m bench.awq_quality                       # the issue's setting: W4 g64, 128 × 512 PTB-valid
+    python -m bench.awq_quality --bits 3 --variants default
+    python -m bench.awq_quality --samples 32 --variants default,fp-propagation,no-duo   # ablations
 
 Calibration: 128 windows of 512 tokens from ptb.valid.txt (seed 0). Evaluation: the first 40
 non-overlapping windows of 512 tokens of the test split, fp32. Each variant quantizes a fresh copy

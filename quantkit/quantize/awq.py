@@ -88,8 +88,9 @@ def _compute(device: torch.device, cpu_bf16: bool) -> Callable[[], Any]:
 
 
 @torch.no_grad()
-def _fp_pass(layer, spec, inputs: BlockInputs, index: int, cfg: QuantizeConfig, n_search: int, fwd, device):
-    """One fp forward of the block over all batches: outputs, stats per input set, loss-module calls."""
+def _fp_pass(layer, spec, inputs: BlockInputs, index: int, cfg: QuantizeConfig, n_search: int, fwd, device,
+             keep_outputs: bool):
+    """One fp forward of the block over all batches: outputs (if kept), stats per input set, loss-module calls."""
     sets = input_sets(spec)
     stats: dict[tuple[str, ...], InputStats] = {}
     for names in sets:
@@ -124,7 +125,9 @@ def _fp_pass(layer, spec, inputs: BlockInputs, index: int, cfg: QuantizeConfig, 
         for hidden, kwargs in inputs.batches(index):
             state["search"] = seen < n_search
             with fwd():
-                outputs.append(call_layer(layer, hidden, kwargs))
+                out = call_layer(layer, hidden, kwargs)
+            if keep_outputs:
+                outputs.append(out)
             seen += hidden.shape[0]
     finally:
         for h in handles:
@@ -261,7 +264,8 @@ def awq_quantize(
         with phases("transfer"):
             layer.to(device=device, dtype=act_dtype)
         with phases("forward"):
-            fp_out, stats, captured = _fp_pass(layer, spec, inputs, index, config, n_search, fwd, device)
+            fp_out, stats, captured = _fp_pass(layer, spec, inputs, index, config, n_search, fwd, device,
+                                                    keep_outputs=awq.propagate == "fp")
         block: dict[str, Any] = {"index": index, "groups": []}
         with phases("search"):
             for gi, group in enumerate(spec.groups):
@@ -277,12 +281,10 @@ def awq_quantize(
         del stats
         if awq.propagate == "quantized":
             with phases("forward"), torch.no_grad():
-                outs = []
-                for hidden, kwargs in inputs.batches(index):
+                # Each batch's input is replaced by its output as soon as it is computed: one copy lives.
+                for j, (hidden, kwargs) in enumerate(inputs.batches(index)):
                     with fwd():
-                        outs.append(call_layer(layer, hidden, kwargs))
-                inputs.hidden = outs
-            del fp_out
+                        inputs.hidden[j] = call_layer(layer, hidden, kwargs)
         else:
             inputs.hidden = fp_out
         with phases("transfer"):
