@@ -2,11 +2,13 @@
 non-overlapping windows of `seqlen`, take the mean negative log-likelihood over every predicted
 token (seqlen − 1 per window), and exponentiate. No BOS, no striding, no overlap.
 
-With a quantized KV cache (kv_bits 8 or 4) each window is one forward through a fresh
-`QuantizedKVCache`: the cache codes every token's K and V as it is written and attention reads them
-back decoded, the token's own included. Because the codes of a token depend on that token alone
-(per-token or static scales), this equals decoding the window token by token through the quantized
-cache — the error a user of `generate` sees — at the cost of a single forward.
+With a quantized KV cache (kv_bits 8 or 4) each window goes through a fresh `QuantizedKVCache`,
+in chunks of `factory.chunk` tokens (32 for KV4 online, whose keys are coded per group of 32 tokens;
+the whole window at once otherwise). The cache codes values — and keys, except those of a group
+still being filled — as they are written, and attention reads them back decoded, each token's own
+included. Chunks aligned with the key groups give every query exactly the K/V it would read when
+decoding the window token by token through the cache: the error a user of `generate` sees, at the
+cost of a few forwards per window.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ def perplexity_of_windows(model: torch.nn.Module, windows: torch.Tensor, progres
     for i, w in enumerate(tqdm(windows, desc=desc, disable=not progress, unit="window")):
         ids = w.unsqueeze(0).to(device)
         if kv_cache is None:
-            out = model(ids, use_cache=False, **forward_kwargs)
+            logits = model(ids, use_cache=False, **forward_kwargs).logits.float()
         else:
-            out = model(ids, use_cache=True, **{cache_arg: kv_cache()}, **forward_kwargs)
-        logits = out.logits.float()
+            cache, step = kv_cache(), getattr(kv_cache, "chunk", None) or ids.shape[1]
+            logits = torch.cat([model(ids[:, s:s + step], use_cache=True, **{cache_arg: cache}, **forward_kwargs)
+                                .logits.float() for s in range(0, ids.shape[1], step)], dim=1)
         if on_logits is not None:
             on_logits(i, logits[0])
         nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")

@@ -1,10 +1,11 @@
 """A quantized KV cache for transformers 5.x: int8 (KV8) or packed int4 (KV4) K and V.
 
-`update` codes the new states, appends the codes and returns the whole cache *decoded*, the new
-tokens included: every query attends to quantized K/V, as in an engine that writes the cache before
-its attention kernel reads it. So one forward over a window with a fresh cache computes exactly what
-token-by-token decoding with that cache would (per-token and static codes do not depend on other
-tokens), which is how perplexity measures the cache's error (see quantkit.eval.perplexity).
+Each layer holds two streams (kv_stream.py). Values, and keys in per-token modes, are coded as they
+are written and attention reads them back decoded, the new tokens included. Int4 keys online are
+coded per channel over groups of 32 tokens (KIVI), the group being filled staying in full precision.
+Perplexity feeds each window in chunks of `KVCacheFactory.chunk` tokens (the key group; the whole
+window for per-token modes), which gives every query exactly the states it would read when decoding
+token by token through the cache (see quantkit.eval.perplexity).
 
 `attach_kv_cache(model, …)` makes `model.generate` and `model(…, use_cache=True)` use a fresh
 `QuantizedKVCache` whenever the caller passes none; `kv_cache_factory(model)` gives the factory.
@@ -16,86 +17,79 @@ import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from quantkit.config import KVQuantConfig
+from quantkit.config import ConfigError, KVQuantConfig
 from quantkit.formats.kv_stats import FILE_NAME, KVStats, KVStatsError, read_kv_stats
-from quantkit.runtime.kv_codec import Parts, StateCodec, channel_factor, static_codec
+from quantkit.runtime.kv_codec import StateCodec, static_codec
+from quantkit.runtime.kv_stream import ChannelGroupStream, TokenStream
 
 # transformers ≥ 5.2x names the forward/generate argument `cache`; earlier 5.x `past_key_values`.
 CACHE_ARG_NAMES = ("cache", "past_key_values")
 _ATTR = "_quantkit_kv_factory"
-
-
-def _cat(old: Optional[Parts], new: Parts) -> Parts:
-    return new if old is None else {k: torch.cat([old[k], new[k]], dim=-2) for k in new}
-
-
-def _map(parts: Optional[Parts], fn) -> Optional[Parts]:
-    return None if parts is None else {k: fn(v) for k, v in parts.items()}
+Stream = Union[TokenStream, ChannelGroupStream]
 
 
 class QuantizedKVLayer(CacheLayerMixin):
-    """One attention layer's cache: codes plus per-token scales, appended along the token axis."""
+    """One attention layer's cache: a key stream and a value stream."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, key_codec: StateCodec, value_codec: StateCodec) -> None:
+    def __init__(self, keys: Stream, values: Stream) -> None:
         super().__init__()
-        self.key_codec, self.value_codec = key_codec, value_codec
-        self.k_parts: Optional[Parts] = None
-        self.v_parts: Optional[Parts] = None
-        self.length = 0
+        self.k_stream, self.v_stream = keys, values
+        self.head_dim = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device, self.head_dim = key_states.dtype, key_states.device, key_states.shape[-1]
-        self.key_codec, self.value_codec = self.key_codec.to(self.device), self.value_codec.to(self.device)
+        self.k_stream.to_device(self.device)
+        self.v_stream.to_device(self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the codes of the new states; return all keys and values decoded, new ones included."""
+        """Append the new states; return all keys and values as attention must read them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.k_parts = _cat(self.k_parts, self.key_codec.encode(key_states))
-        self.v_parts = _cat(self.v_parts, self.value_codec.encode(value_states))
-        self.length += key_states.shape[-2]
-        dtype = key_states.dtype
-        return self.key_codec.decode(self.k_parts, dtype), self.value_codec.decode(self.v_parts, dtype)
+        return self.k_stream.append(key_states), self.v_stream.append(value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.k_stream.length + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.k_stream.length
 
     def get_max_length(self) -> int:
         return -1
 
     def nbytes(self) -> int:
-        """Bytes held for the cached tokens: codes, per-token scales and zeros, and the layer's constants."""
-        held = sum(t.numel() * t.element_size() for p in (self.k_parts, self.v_parts) if p for t in p.values())
-        return held + self.key_codec.constant_nbytes() + self.value_codec.constant_nbytes()
+        """Bytes held: codes, scales and zeros (per token, per group or static), full-precision remainders."""
+        return self.k_stream.nbytes() + self.v_stream.nbytes()
 
-    def _apply(self, fn) -> None:
-        self.k_parts, self.v_parts = _map(self.k_parts, fn), _map(self.v_parts, fn)
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.k_stream.apply(fn)
+        self.v_stream.apply(fn)
 
     def reset(self) -> None:
-        self.k_parts = self.v_parts = None
-        self.length = 0
+        self.k_stream, self.v_stream = self._fresh(self.k_stream), self._fresh(self.v_stream)
+
+    @staticmethod
+    def _fresh(stream: Stream) -> Stream:
+        if isinstance(stream, ChannelGroupStream):
+            return ChannelGroupStream(stream.bits, stream.group)
+        return TokenStream(stream.codec)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Negative: drop that many trailing tokens; positive (older transformers): keep that many."""
-        keep = self.length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self.length)
-        if keep == self.length or self.k_parts is None:
-            return
-        self._apply(lambda t: t[..., :keep, :])
-        self.length = keep
+        length = self.get_seq_length()
+        keep = max(0, length + tokens_to_remove) if tokens_to_remove < 0 else min(tokens_to_remove, length)
+        self.k_stream.crop(keep)
+        self.v_stream.crop(keep)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -115,10 +109,10 @@ class QuantizedKVLayer(CacheLayerMixin):
 
 
 class QuantizedKVCache(Cache):
-    """A transformers `Cache` whose layers are `QuantizedKVLayer`s (one pair of codecs per layer)."""
+    """A transformers `Cache` whose layers are `QuantizedKVLayer`s."""
 
-    def __init__(self, codecs: list[tuple[StateCodec, StateCodec]]) -> None:
-        super().__init__(layers=[QuantizedKVLayer(k, v) for k, v in codecs])
+    def __init__(self, streams: list[tuple[Stream, Stream]]) -> None:
+        super().__init__(layers=[QuantizedKVLayer(k, v) for k, v in streams])
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
@@ -126,33 +120,36 @@ class QuantizedKVCache(Cache):
     def dense_nbytes(self, dtype: torch.dtype = torch.float16) -> int:
         """Bytes the same cached K and V would take unquantized in `dtype` (the baseline)."""
         size = torch.empty((), dtype=dtype).element_size()
-        total = 0
-        for layer in self.layers:
-            if layer.k_parts is not None:
-                b, h, t, _ = layer.k_parts["q"].shape
-                total += 2 * b * h * t * layer.head_dim * size
-        return total
+        return sum(2 * layer.get_seq_length() * layer.head_dim * self._heads(layer) * size for layer in self.layers)
+
+    @staticmethod
+    def _heads(layer: QuantizedKVLayer) -> int:
+        s = layer.v_stream
+        return 0 if s.parts is None else s.parts["q"].shape[0] * s.parts["q"].shape[1]
 
 
 @dataclass(frozen=True)
 class KVCacheSettings:
-    """What a quantized cache does: `bits` 8|4, `scales` online|static, and how keys use the statistics.
+    """What a quantized cache does: `bits` 8|4 and `scales` online|static.
 
-    `key_channels` (None: on for 4 bits when statistics exist) gives keys per-channel treatment: static
-    scales per head *and channel*, or, online, per-channel normalisation by absmax^`alpha` before the
-    per-token code. Values are always coded per head (per token online).
+    Online, keys are coded per channel over groups of `key_group` tokens (None: 32 for 4 bits, where
+    per-token int4 keys lose too much; 0, per token, for 8 bits, as lmdeploy does); values per token.
+    Static scales come from `stats`; keys get one per head and channel when `static_key_channels`
+    (None: for 4 bits), else one per head, as values always do.
     """
 
     bits: int = 8
     scales: str = "online"
     stats: Optional[KVStats] = None
-    key_channels: Optional[bool] = None
-    alpha: float = 0.5
+    key_group: Optional[int] = None
+    static_key_channels: Optional[bool] = None
 
     def __post_init__(self) -> None:
         KVQuantConfig(self.bits, self.scales)  # the one place that says which values are valid
         if self.bits == 16:
             raise ValueError("KVCacheSettings is for quantized caches; 16 bits means no KVCacheSettings")
+        if self.key_group is not None and self.key_group < 0:
+            raise ValueError(f"key_group must be ≥ 0 (0 codes keys per token), not {self.key_group}")
         if self.scales == "static" and self.stats is None:
             raise KVStatsError(
                 "--kv-scales static needs calibration statistics (kv_stats.safetensors): run "
@@ -160,29 +157,21 @@ class KVCacheSettings:
             )
 
     @property
-    def use_key_channels(self) -> bool:
-        if self.stats is None:
-            return False
-        return self.bits == 4 if self.key_channels is None else self.key_channels
+    def group(self) -> int:
+        """Tokens per key group (online); 0 means keys are coded per token."""
+        if self.scales == "static":
+            return 0
+        return (32 if self.bits == 4 else 0) if self.key_group is None else self.key_group
+
+    @property
+    def key_channels(self) -> bool:
+        """Static only: keys scaled per head and channel."""
+        return self.scales == "static" and (self.bits == 4 if self.static_key_channels is None else self.static_key_channels)
 
     def describe(self) -> str:
-        keys = " keys per channel" if self.use_key_channels else ""
-        return f"KV{self.bits} {self.scales}{keys}"
-
-
-def layer_codecs(settings: KVCacheSettings, num_layers: int) -> list[tuple[StateCodec, StateCodec]]:
-    """One (key, value) codec pair per layer."""
-    s, bits = settings.stats, settings.bits
-    out = []
-    for i in range(num_layers):
-        if settings.scales == "static":
-            k = static_codec(s.k_min[i], s.k_max[i], bits, per_channel=settings.use_key_channels)
-            v = static_codec(s.v_min[i], s.v_max[i], bits, per_channel=False)
-        else:
-            k = StateCodec(bits, channel=channel_factor(s.k_absmax[i], settings.alpha) if settings.use_key_channels else None)
-            v = StateCodec(bits)
-        out.append((k, v))
-    return out
+        if self.group:
+            return f"KV{self.bits} online (K per channel, g{self.group})"
+        return f"KV{self.bits} {self.scales}" + (" (K per channel)" if self.key_channels else "")
 
 
 class KVCacheFactory:
@@ -199,11 +188,27 @@ class KVCacheFactory:
                 f"the KV statistics are for {st.num_layers} layers x {st.num_kv_heads} heads x {st.head_dim} dims, "
                 f"the model has {self.num_layers} x {heads} x {head_dim}: recalibrate with `quantkit kv-calibrate`"
             )
+        if settings.bits == 4 and head_dim % 2:
+            raise ConfigError(f"KV4 packs two codes per byte and needs an even head_dim, not {head_dim}: use --kv-bits 8")
         self.settings = settings
-        self.codecs = layer_codecs(settings, self.num_layers)
+        bits = settings.bits
+        if settings.scales == "static":
+            self.codecs = [(static_codec(st.k_min[i], st.k_max[i], bits, settings.key_channels),
+                            static_codec(st.v_min[i], st.v_max[i], bits, per_channel=False))
+                           for i in range(self.num_layers)]
+        else:
+            self.codecs = [(StateCodec(bits), StateCodec(bits))] * self.num_layers
+
+    @property
+    def chunk(self) -> Optional[int]:
+        """Tokens per forward that reproduce decoding in evaluation: the key group, or None (any)."""
+        return self.settings.group or None
 
     def __call__(self) -> QuantizedKVCache:
-        return QuantizedKVCache(self.codecs)
+        group = self.settings.group
+        streams = [(ChannelGroupStream(self.settings.bits, group) if group else TokenStream(k), TokenStream(v))
+                   for k, v in self.codecs]
+        return QuantizedKVCache(streams)
 
 
 def cache_arg_name(model: torch.nn.Module) -> str:
@@ -231,7 +236,7 @@ def attach_kv_cache(model: torch.nn.Module, stats_source: Any, kv_bits: Optional
     """Make `model` use a quantized cache of `kv_bits` (8 or 4; 16/None detaches) wherever it caches.
 
     `stats_source` is a checkpoint directory, a kv_stats.safetensors path, a `KVStats` or None;
-    static scales need statistics. Further `settings` go to `KVCacheSettings` (key_channels, alpha).
+    static scales need statistics. Further `settings` go to `KVCacheSettings` (key_group, …).
     Returns the factory, which `kv_cache_factory(model)` also gives.
     """
     KVQuantConfig(16 if kv_bits is None else kv_bits, kv_scales)

@@ -1,9 +1,7 @@
-"""How one layer's K or V states become integer codes and back: online per token, or static.
+"""How K or V states become integer codes per token and back: online, or with static scales.
 
 - online: one fp16 scale and uint8 zero per token per head, computed from the row itself (lmdeploy's
-  quant_policy 8/4). With calibration statistics, keys may first be divided by a per-channel factor
-  (absmax^alpha from the statistics) and multiplied back on read: per-token scales then stop being set
-  by the few outlier key channels, at no memory cost (KIVI's observation, kept appendable).
+  quant_policy 8/4).
 - static: scale and zero fixed per head (or per head and channel) from the calibration ranges; nothing
   is stored per token, and values outside the calibrated range are clipped.
 """
@@ -28,22 +26,18 @@ class StateCodec:
     # Static: scale and zero broadcastable to [1, heads, 1, head_dim or 1]. None means online.
     scale: Optional[torch.Tensor] = None
     zero: Optional[torch.Tensor] = None
-    # Online only: states are divided by this [1, heads, 1, head_dim] factor before coding.
-    channel: Optional[torch.Tensor] = None
 
     @property
     def online(self) -> bool:
         return self.scale is None
 
     def to(self, device: torch.device) -> "StateCodec":
-        move = {k: getattr(self, k).to(device) for k in ("scale", "zero", "channel") if getattr(self, k) is not None}
+        move = {k: getattr(self, k).to(device) for k in ("scale", "zero") if getattr(self, k) is not None}
         return replace(self, **move)
 
     def encode(self, x: torch.Tensor) -> Parts:
         if not self.online:
             return {"q": kv_quant.pack(kv_quant.encode(x, self.scale, self.zero, self.bits), self.bits)}
-        if self.channel is not None:
-            x = x.float() / self.channel
         q, scale, zero = kv_quant.quantize_per_token(x, self.bits)
         return {"q": kv_quant.pack(q, self.bits), "scale": scale, "zero": zero}
 
@@ -51,14 +45,11 @@ class StateCodec:
         q = kv_quant.unpack(parts["q"], self.bits)
         if not self.online:
             return kv_quant.decode(q, self.scale, self.zero, dtype)
-        x = kv_quant.decode(q, parts["scale"], parts["zero"], torch.float32)
-        if self.channel is not None:
-            x = x * self.channel
-        return x.to(dtype)
+        return kv_quant.decode(q, parts["scale"], parts["zero"], dtype)
 
     def constant_nbytes(self) -> int:
-        """Bytes of the per-layer constants (static scales, channel factors), counted as cache memory."""
-        return sum(t.numel() * t.element_size() for t in (self.scale, self.zero, self.channel) if t is not None)
+        """Bytes of the per-layer constants (static scales and zeros), counted as cache memory."""
+        return sum(t.numel() * t.element_size() for t in (self.scale, self.zero) if t is not None)
 
 
 def _heads(t: torch.Tensor) -> torch.Tensor:
@@ -72,14 +63,3 @@ def static_codec(mn: torch.Tensor, mx: torch.Tensor, bits: int, per_channel: boo
         mn, mx = mn.amin(-1, keepdim=True), mx.amax(-1, keepdim=True)
     scale, zero = kv_quant.range_params(_heads(mn), _heads(mx), bits)
     return StateCodec(bits, scale=scale, zero=zero)
-
-
-def channel_factor(absmax: torch.Tensor, alpha: float) -> torch.Tensor:
-    """absmax^alpha per channel of one layer's [heads, head_dim] key ranges, as [1, heads, 1, head_dim].
-
-    Normalised to 1 at each head's largest channel, and kept ≥ 1/64 of it: a channel that was near 0
-    during calibration must not blow up a token whose value there is merely small.
-    """
-    f = absmax.float().clamp_min(1e-6) ** alpha
-    f = f / f.amax(-1, keepdim=True)
-    return _heads(f.clamp_min(1 / 64))

@@ -9,8 +9,6 @@ under 0.53× of fp16). Int4 codes are packed two per byte along head_dim, low ni
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 QMAX = {8: 255, 4: 15}
@@ -74,8 +72,3 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(p: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_int4(p) if bits == 4 else p
-
-
-def step_size(scale: torch.Tensor, channel: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The code step per element: the scale, times the per-channel factor where one normalised the input."""
-    return scale if channel is None else scale * channel

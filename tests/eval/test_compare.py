@@ -60,7 +60,7 @@ def test_eval_ppl_json(checkpoints, text_file, monkeypatch, capsys):
                              "--seqlen", 64, "--windows", 2, "--kv-bits", 4, "--json")
     assert code == 0, err
     rows = json.loads(out)["rows"]
-    assert [r["kv"] for r in rows] == ["KV4 online", "KV4 online"] and all(r["ppl"][text_file.name] > 1 for r in rows)
+    assert [r["kv"] for r in rows] == ["KV4 online (K per channel, g32)"] * 2 and all(r["ppl"][text_file.name] > 1 for r in rows)
 
 
 @pytest.mark.parametrize("case,needle", [
