@@ -14,8 +14,9 @@ import torch
 
 from quantkit.config import KVQuantConfig
 from quantkit.data import evaluation_windows, load_text, tokenize_text
-from quantkit.eval.loading import EvalModel, load_for_eval
+from quantkit.eval.loading import EvalModel, load_for_eval, set_kv_cache
 from quantkit.eval.perplexity import perplexity_of_windows
+from quantkit.formats.kv_stats import FILE_NAME, KVStatsError
 from quantkit.runtime.kv_cache import kv_cache_factory
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,12 @@ def evaluate_models(paths: Sequence[str | Path], datasets: Sequence[str] = ("ptb
     for p in paths:
         if not Path(p).exists():
             raise ModelLoadError(f"{p} does not exist: pass a model directory, a .gguf file or a quantkit checkpoint")
+    if kv_scales == "static" and any(b != 16 for b in kv_bits):
+        for p in paths:
+            src = Path(kv_stats or p)
+            if not (src.is_file() and src.suffix == ".safetensors") and not (src / FILE_NAME).is_file():
+                raise KVStatsError(f"{p} has no {FILE_NAME} for --kv-scales static: run `quantkit kv-calibrate {p} "
+                                   "--calib-dataset ptb` (with --output for fp models) or pass --kv-stats FILE")
     texts = {}
     for d in datasets:
         text, source = load_text(d, "test", data_dir)
@@ -110,18 +117,19 @@ def evaluate_models(paths: Sequence[str | Path], datasets: Sequence[str] = ("ptb
     ref_windows: Optional[torch.Tensor] = None
     # The reference is evaluated with an unquantized cache first, then under the other settings asked for.
     ref_kv = [16] + [b for b in kv_bits if b != 16]
-    settings = [(i, p, b) for i, p in enumerate(paths) for b in (ref_kv if reference and i == 0 else kv_bits)]
-    for i, p, b in settings:
-        em = load_for_eval(p, b, kv_scales, kv_stats, device)
-        is_ref = reference and i == 0 and b == 16
-        top1 = _Top1() if is_ref else (_Top1(ref_top1.preds) if ref_top1 is not None else None)
-        row, win0 = _evaluate(em, texts, seqlen, windows, progress, top1, None if is_ref else ref_windows)
-        if is_ref:
-            ref_top1, ref_windows = top1, win0
-        elif top1 is not None and top1.total:
-            row.top1_agreement = top1.same / top1.total
-        rows.append(row)
-        log.info("%s %s: %s", row.name, row.kv, {k: round(v, 3) for k, v in row.ppl.items()})
+    for i, p in enumerate(paths):
+        em = load_for_eval(p, device=device)  # once per model; the KV settings only swap the cache
+        for b in ref_kv if reference and i == 0 else kv_bits:
+            set_kv_cache(em, b, kv_scales, kv_stats)
+            is_ref = reference and i == 0 and b == 16
+            top1 = _Top1() if is_ref else (_Top1(ref_top1.preds) if ref_top1 is not None else None)
+            row, win0 = _evaluate(em, texts, seqlen, windows, progress, top1, None if is_ref else ref_windows)
+            if is_ref:
+                ref_top1, ref_windows = top1, win0
+            elif top1 is not None and top1.total:
+                row.top1_agreement = top1.same / top1.total
+            rows.append(row)
+            log.info("%s %s: %s", row.name, row.kv, {k: round(v, 3) for k, v in row.ppl.items()})
         del em
         gc.collect()
     if reference and rows:

@@ -63,12 +63,9 @@ def load_for_eval(path: str | Path, kv_bits: int = 16, kv_scales: str = "online"
                   device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> EvalModel:
     """Load `path` for evaluation, with a quantized KV cache attached when `kv_bits` is 8 or 4.
 
-    KV statistics for static scales come from `kv_stats` (a file or directory) or else from the
-    checkpoint itself. Checkpoints load through `quantkit.load`; fp models on the CPU in float32
-    unless `dtype` says otherwise.
+    Checkpoints load through `quantkit.load`; fp models on the CPU in float32 unless `dtype` says
+    otherwise. See `set_kv_cache` for the KV settings.
     """
-    from quantkit.runtime.kv_cache import attach_kv_cache, kv_cache_factory
-
     KVQuantConfig(kv_bits, kv_scales)  # a bad --kv-bits fails here, before any loading
     p = Path(path)
     if p.is_dir() and is_checkpoint(p):
@@ -90,7 +87,19 @@ def load_for_eval(path: str | Path, kv_bits: int = 16, kv_scales: str = "online"
             note = "fp16 size of the dequantized .gguf"
         else:
             size, note = checkpoint_size(p), ""
-    attach_kv_cache(model, kv_stats if kv_stats is not None else (p if p.is_dir() else None), kv_bits, kv_scales)
-    factory = kv_cache_factory(model)
-    kv = factory.settings.describe() if factory else "fp"
-    return EvalModel(model, tok, str(p), p.name, method, bits, group_size, kv, size, note)
+    em = EvalModel(model, tok, str(p), p.name, method, bits, group_size, "fp", size, note)
+    return set_kv_cache(em, kv_bits, kv_scales, kv_stats)
+
+
+def set_kv_cache(em: EvalModel, kv_bits: int, kv_scales: str = "online", kv_stats: Optional[str] = None) -> EvalModel:
+    """Attach a quantized KV cache of `kv_bits` (8, 4; 16 removes it) to the loaded model, in place.
+
+    Statistics for static scales come from `kv_stats` (a file or directory), else from the checkpoint.
+    """
+    from quantkit.runtime.kv_cache import attach_kv_cache
+
+    p = Path(em.path)
+    factory = attach_kv_cache(em.model, kv_stats if kv_stats is not None else (p if p.is_dir() else None),
+                              kv_bits, kv_scales)
+    em.kv = factory.settings.describe() if factory else "fp"
+    return em

@@ -67,6 +67,7 @@ def test_eval_ppl_json(checkpoints, text_file, monkeypatch, capsys):
     ("not-a-checkpoint", "is not a quantized checkpoint"),
     ("missing-dataset", "does not exist"),
     ("kv-bits-3", "--kv-bits 3 is not supported"),
+    ("static-without-stats", "kv-calibrate"),
 ])
 def test_bad_input_is_one_line_and_exit_2(checkpoints, text_file, tmp_path, monkeypatch, capsys, case, needle):
     src, rtn, _ = checkpoints
@@ -74,6 +75,7 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, text_file, tmp_path, monk
         "not-a-checkpoint": ["compare", src, src, "--dataset", text_file],
         "missing-dataset": ["eval", "ppl", rtn, "--dataset", tmp_path / "nope.txt"],
         "kv-bits-3": ["eval", "ppl", rtn, "--dataset", text_file, "--kv-bits", 3],
+        "static-without-stats": ["eval", "ppl", src, "--dataset", text_file, "--kv-bits", 8, "--kv-scales", "static"],
     }[case]
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 2
