@@ -86,3 +86,16 @@ def test_console_script_help_and_error(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "quantkit.cli", "rtn", str(tmp_path / "x"), "--work-dir", str(tmp_path / "o")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.startswith("error:")
+
+
+def test_named_dataset_offline_without_local_copy(tiny_models, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.delenv("QUANTKIT_DATA_DIR", raising=False)
+    from quantkit import data
+
+    data._hub_reachable.cache_clear()
+    code, _, err = run_cli(["awq", str(tiny_models["llama"]), "--calib-dataset", "wikitext2", "--group-size", "32",
+                            "--work-dir", str(tmp_path / "o")], monkeypatch, capsys)
+    assert_one_line_error(code, err, "wiki2.valid.txt", "--data-dir")
+    assert not (tmp_path / "o").exists()
+    data._hub_reachable.cache_clear()
