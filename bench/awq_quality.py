@@ -64,7 +64,11 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=40)
     ap.add_argument("--baselines", action="store_true", help="also evaluate the fp model and RTN")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here as JSON")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads; on a busy 2-core machine 1 is faster than 2 (OpenMP waits on descheduled threads)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     datasets = args.datasets.split(",")
     t0 = time.perf_counter()
     loaded = load_fp_model(smollm2_path())

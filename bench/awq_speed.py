@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import time
 from pathlib import Path
@@ -71,7 +72,12 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--out", type=Path, required=True, help="checkpoint directory (overwritten)")
     ap.add_argument("--report", type=Path, default=None, help="write the figures here as JSON")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads; on a busy 2-core machine 1 is faster than 2 (OpenMP waits on descheduled threads)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # one line per block: losses, ratios
     shape = TINY if args.tiny else LLAMA2_7B
     gen_device = "cuda" if torch.cuda.is_available() else "cpu"
     rss0 = peak_rss_gb()

@@ -80,6 +80,11 @@ class _Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
+def activation_dtype(device: torch.device) -> torch.dtype:
+    """fp16 on accelerators (what AWQ consumers run in); fp32 on the CPU, whose fp16 arithmetic is slow."""
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
 def _compute(device: torch.device, cpu_bf16: bool) -> Callable[[], Any]:
     """Context for forwards: on the CPU, bf16 matrix products (AMX) over an fp32 block; else nothing."""
     if device.type == "cpu" and cpu_bf16:
@@ -238,7 +243,7 @@ def awq_quantize(
     check_group_size(model, spec, config.weight)
     awq = config.awq
     device = resolve_device(config.device)
-    act_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    act_dtype = activation_dtype(device)
     fwd = _compute(device, awq.cpu_bf16)
     phases = _Phases(device)
     batch = config.calib.batch_size
@@ -288,9 +293,9 @@ def awq_quantize(
         else:
             inputs.hidden = fp_out
         with phases("transfer"):
-            layer.to(device="cpu", dtype=store_dtype)
-            if release_weights:
+            if release_weights:  # before the move, so the dropped weights never travel back
                 _release(layer, spec)
+            layer.to(device="cpu", dtype=store_dtype)
         searched = [g for g in block["groups"] if "loss" in g]
         before = sum(g["loss_rtn"] for g in searched)
         after = sum(g["loss"] for g in searched)

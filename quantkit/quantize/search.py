@@ -20,7 +20,6 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from quantkit.config import WeightQuantConfig
-from quantkit.quantize.primitives import quantize_weight
 
 # Keeps a channel that never fires from getting a zero (or NaN) scale.
 _EPS = 1e-4
@@ -28,8 +27,27 @@ _EPS = 1e-4
 
 def fake_quantize(w: torch.Tensor, cfg: WeightQuantConfig, max_val: Optional[torch.Tensor] = None,
                   min_val: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Quantize and dequantize W (float32) exactly as the checkpoint will store it."""
-    return quantize_weight(w.float(), cfg, max_val, min_val).dequantize()
+    """Quantize then dequantize W [out, in] (float32), bit for bit as `quantize_weight` + `dequantize`.
+
+    The searches call this thousands of times, so it works in place on one grouped copy instead of
+    going through the integer tensors (3-4x faster on the CPU); a test checks the equality.
+    """
+    out_f, in_f = w.shape
+    gs = cfg.effective_group_size(in_f)
+    g = w.float().reshape(out_f, in_f // gs, gs)
+    qmax = 2**cfg.bits - 1
+    if cfg.symmetric:
+        absmax = g.abs().amax(-1, keepdim=True) if max_val is None else max_val.float().abs().unsqueeze(-1)
+        scales = (absmax / (2 ** (cfg.bits - 1) - 1)).clamp_(min=1e-8)
+        zeros = torch.full_like(scales, 2 ** (cfg.bits - 1))
+    else:
+        mx = (g.amax(-1, keepdim=True) if max_val is None else max_val.float().unsqueeze(-1)).clamp(min=0)
+        mn = (g.amin(-1, keepdim=True) if min_val is None else min_val.float().unsqueeze(-1)).clamp(max=0)
+        scales = ((mx - mn) / qmax).clamp_(min=1e-8)
+        zeros = torch.round(-mn / scales).clamp_(0, qmax)  # from the fp32 scale, as compute_qparams does
+    scales = scales.half().float().clamp_(min=torch.finfo(torch.float16).tiny)  # what the checkpoint stores
+    q = torch.div(g, scales).round_().add_(zeros).clamp_(0, qmax)
+    return q.sub_(zeros).mul_(scales).reshape(out_f, in_f)
 
 
 def weight_magnitude(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -95,7 +113,8 @@ def search_scales(
                 q = fake_quantize(w * cols, cfg) / cols
             lin.weight.data = q.to(lin.weight.dtype)
         outs = run_loss_module()
-        total = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outs, reference))
+        total = sum(float(torch.nn.functional.mse_loss(o.float(), r.float(), reduction="sum"))
+                    for o, r in zip(outs, reference))
         count = sum(r.numel() for r in reference)
         value = total / max(count, 1)
         return value if math.isfinite(value) else math.inf

@@ -151,3 +151,18 @@ def test_cli_awq(tiny_models, text_file, tmp_path):
     assert report["method"] == "awq" and report["config"]["awq"]["clip"] is False
     assert report["config"]["awq"]["duo_scaling"] is False and report["calibration"]["samples"] == 4
     assert all(not b["clip"] for b in report["awq"]["blocks"])
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fake_quantize_is_the_checkpoint_rounding(symmetric):
+    from quantkit.config import WeightQuantConfig
+    from quantkit.quantize.primitives import quantize_weight
+    from quantkit.quantize.search import fake_quantize
+
+    torch.manual_seed(1)
+    w = torch.randn(48, 128) * torch.rand(1, 128) * 3
+    cfg = WeightQuantConfig(4, 32, symmetric)
+    g = w.reshape(48, 4, 32)
+    mx, mn = g.amax(-1) * 0.8, g.amin(-1) * 0.7
+    assert torch.equal(fake_quantize(w, cfg), quantize_weight(w, cfg).dequantize())
+    assert torch.equal(fake_quantize(w, cfg, mx, mn), quantize_weight(w, cfg, mx, mn).dequantize())
