@@ -207,7 +207,7 @@ def compare(
 def kv_calibrate(
     model: str = typer.Argument(..., help="A quantkit checkpoint (stats written into it), HF directory or .gguf."),
     calib_dataset: str = typer.Option("ptb", "--calib-dataset", help="ptb, wikitext2, pydoc or a .txt/.jsonl path (valid split)."),
-    calib_samples: int = typer.Option(16, "--calib-samples", help="Windows of calibration text."),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="Windows of calibration text."),
     calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per window."),
     seed: int = typer.Option(0, "--seed", help="Seed of the window offsets."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Where kv_stats.safetensors goes (a file or "
