@@ -36,6 +36,9 @@ VARIANTS = {
     "no-clip": {"awq.clip": False},
     "no-gqa-vo": {"awq.gqa_scaling": False},
     "fp32-matmul": {"awq.cpu_bf16": False},
+    "gptq": {"awq.rounding": "gptq"},
+    "gptq-no-clip": {"awq.rounding": "gptq", "awq.clip": False},
+    "gptq-duo-both": {"awq.rounding": "gptq", "awq.duo_scaling": "both"},
     # What the reference tools do: fp inputs, duo scaling, symmetric clip, v→o skipped under GQA.
     "reference-like": {"awq.propagate": "fp", "awq.asym_clip": False, "awq.gqa_scaling": False},
 }

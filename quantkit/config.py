@@ -84,6 +84,9 @@ class AWQConfig:
     propagate: str = "quantized"
     # On the CPU, run the blocks in fp32 with bf16 matrix products (AMX units make them ~10x faster).
     cpu_bf16: bool = True
+    # Integer codes under AWQ's scales/zeros: "nearest" (the reference tools) or "gptq" (error feedback
+    # through the inputs' Gram matrix, Frantar et al. 2022; same checkpoint layout).
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if self.n_grid < 1:
@@ -94,6 +97,8 @@ class AWQConfig:
             raise ConfigError(f"duo_scaling {self.duo_scaling!r} is not supported: choose true, false or both.")
         if self.propagate not in ("quantized", "fp"):
             raise ConfigError(f"propagate {self.propagate!r} is not supported: choose quantized or fp.")
+        if self.rounding not in ("nearest", "gptq"):
+            raise ConfigError(f"rounding {self.rounding!r} is not supported: choose nearest or gptq.")
         if self.search_tokens < 1:
             raise ConfigError("search_tokens must be ≥ 1.")
 

@@ -25,17 +25,12 @@ from tqdm.auto import tqdm
 
 from quantkit.config import QuantizeConfig
 from quantkit.models.registry import ArchSpec, ScaleGroup
-from quantkit.quantize.calibration import (
-    BlockInputs,
-    InputStats,
-    call_layer,
-    call_module,
-    capture_inputs,
-)
+from quantkit.quantize.calibration import InputStats, call_layer, call_module, capture_inputs, gather_block
+from quantkit.quantize.finalize import finalize_block
 from quantkit.quantize.folding import fold_scales, head_tying, identity, output_channels
-from quantkit.quantize.primitives import QuantizedWeight, quantize_weight
+from quantkit.quantize.primitives import QuantizedWeight
 from quantkit.quantize.rtn import check_group_size, decoder_layers
-from quantkit.quantize.search import candidate_scales, search_clip, search_scales, weight_magnitude
+from quantkit.quantize.search import candidate_scales, search_scales, weight_magnitude
 
 log = logging.getLogger(__name__)
 
@@ -92,54 +87,6 @@ def _compute(device: torch.device, cpu_bf16: bool) -> Callable[[], Any]:
     return contextlib.nullcontext
 
 
-@torch.no_grad()
-def _fp_pass(layer, spec, inputs: BlockInputs, index: int, cfg: QuantizeConfig, n_search: int, fwd, device,
-             keep_outputs: bool):
-    """One fp forward of the block over all batches: outputs (if kept), stats per input set, loss-module calls."""
-    sets = input_sets(spec)
-    stats: dict[tuple[str, ...], InputStats] = {}
-    for names in sets:
-        lin = layer.get_submodule(names[0])
-        gs = cfg.weight.effective_group_size(lin.in_features)
-        with_cov = cfg.awq.clip and any(_clipped(spec, n) for n in names)
-        stats[names] = InputStats.empty(lin.in_features, gs, device, with_cov)
-    captured: dict[int, list] = {gi: [] for gi in range(len(spec.groups))}
-    state = {"search": False}
-    handles = []
-
-    def stat_hook(names):
-        def hook(_module, args):
-            with torch.autocast(device.type, enabled=False):
-                stats[names].add(args[0])
-        return hook
-
-    def capture_hook(gi):
-        def hook(_module, args, kwargs):
-            if state["search"]:
-                captured[gi].append((args, kwargs))
-        return hook
-
-    for names in sets:
-        handles.append(layer.get_submodule(names[0]).register_forward_pre_hook(stat_hook(names)))
-    for gi, group in enumerate(spec.groups):
-        mod = layer.get_submodule(group.loss_module)
-        handles.append(mod.register_forward_pre_hook(capture_hook(gi), with_kwargs=True))
-    outputs = []
-    try:
-        seen = 0
-        for hidden, kwargs in inputs.batches(index):
-            state["search"] = seen < n_search
-            with fwd():
-                out = call_layer(layer, hidden, kwargs)
-            if keep_outputs:
-                outputs.append(out)
-            seen += hidden.shape[0]
-    finally:
-        for h in handles:
-            h.remove()
-    return outputs, stats, captured
-
-
 def _search_group(layer, group: ScaleGroup, stats: InputStats, calls: list, model_config, cfg: QuantizeConfig,
                   fwd, gqa: bool) -> dict[str, Any]:
     """Search and fold one group's scales; returns its report entry."""
@@ -181,10 +128,7 @@ def _search_group(layer, group: ScaleGroup, stats: InputStats, calls: list, mode
         entry["fallback"] = "no scaling beat plain RTN"
         return entry
     fold_scales(prev, linears, result.scales, expand(result.scales))
-    stats.abs_sum /= expand(result.scales).to(stats.abs_sum.device)
-    if stats.cov is not None:
-        inv = 1.0 / expand(result.scales).to(stats.cov.device).reshape(stats.cov.shape[0], -1)
-        stats.cov.mul_(inv.unsqueeze(2) * inv.unsqueeze(1))
+    stats.rescale(expand(result.scales))
     return entry
 
 
@@ -195,31 +139,21 @@ def _duo_mode(cfg: QuantizeConfig) -> str:
     return "on" if duo else "off"
 
 
-@torch.no_grad()
-def _quantize_linears(layer, spec, prefix: str, sets_stats: dict, cfg: QuantizeConfig) -> tuple[dict, dict]:
-    """Clip-search and quantize every linear of the block; the layer keeps the dequantized weights."""
-    out: dict[str, QuantizedWeight] = {}
-    clip_report: dict[str, Any] = {}
-    for names, stats in sets_stats.items():
-        for name in names:
-            lin = layer.get_submodule(name)
-            w = lin.weight.data.float()
-            max_val = min_val = None
-            if cfg.awq.clip and stats.cov is not None and _clipped(spec, name) and not stats.nonfinite:
-                res = search_clip(w, stats.cov, cfg.weight, cfg.awq.n_grid, cfg.awq.max_shrink, cfg.awq.asym_clip)
-                if math.isfinite(res.loss) and res.loss <= res.loss_noclip:
-                    max_val, min_val = res.max_val, res.min_val
-                clip_report[name] = {"loss_noclip": res.loss_noclip, "loss": res.loss}
-            qw = quantize_weight(w, cfg.weight, max_val, min_val)
-            deq = qw.dequantize()
-            if not torch.isfinite(deq).all():  # the guard: never keep a non-finite weight
-                qw = quantize_weight(torch.nan_to_num(w), cfg.weight)
-                deq = qw.dequantize()
-                clip_report.setdefault(name, {})["fallback"] = "non-finite weight: plain RTN of nan_to_num"
-            lin.weight.data = deq.to(lin.weight.dtype)
-            out[f"{prefix}.{name}"] = QuantizedWeight(qw.q.to(torch.uint8 if qw.bits <= 8 else torch.int16).cpu(),
-                                                      qw.zeros.cpu(), qw.scales.cpu(), qw.bits, qw.group_size)
-    return out, clip_report
+def _empty_stats(layer, spec: ArchSpec, config: QuantizeConfig, device: torch.device) -> dict[tuple[str, ...], InputStats]:
+    """Statistics to gather per set of linears sharing an input: Gram matrices only where used."""
+    awq = config.awq
+    lowp = device.type == "cpu" and awq.cpu_bf16
+    out = {}
+    for names in input_sets(spec):
+        lin = layer.get_submodule(names[0])
+        gram = None
+        if awq.rounding == "gptq":
+            gram = "full"
+        elif awq.clip and any(_clipped(spec, n) for n in names):
+            gram = "groups"
+        out[names] = InputStats.empty(lin.in_features, config.weight.effective_group_size(lin.in_features),
+                                      device, gram, lowp)
+    return out
 
 
 def _release(layer, spec) -> None:
@@ -252,7 +186,7 @@ def awq_quantize(
     info: dict[str, Any] = {
         "device": str(device), "activations": str(act_dtype).replace("torch.", ""),
         "cpu_bf16_matmul": device.type == "cpu" and awq.cpu_bf16,
-        "propagate": awq.propagate, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
+        "propagate": awq.propagate, "rounding": awq.rounding, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
         "blocks": [], "fallbacks": [],
     }
     report["awq"] = info
@@ -268,9 +202,10 @@ def awq_quantize(
         store_dtype = next(layer.parameters()).dtype
         with phases("transfer"):
             layer.to(device=device, dtype=act_dtype)
+        stats = _empty_stats(layer, spec, config, device)
         with phases("forward"):
-            fp_out, stats, captured = _fp_pass(layer, spec, inputs, index, config, n_search, fwd, device,
-                                                    keep_outputs=awq.propagate == "fp")
+            fp_out, captured = gather_block(layer, inputs, index, stats, [g.loss_module for g in spec.groups],
+                                            n_search, fwd, keep_outputs=awq.propagate == "fp")
         block: dict[str, Any] = {"index": index, "groups": []}
         with phases("search"):
             for gi, group in enumerate(spec.groups):
@@ -281,7 +216,7 @@ def awq_quantize(
                     info["fallbacks"].append(f"{prefix}: {group.prev} → {','.join(group.linears)}: {entry['fallback']}")
         del captured
         with phases("clip+quantize"):
-            q, block["clip"] = _quantize_linears(layer, spec, prefix, stats, config)
+            q, block["linears"] = finalize_block(layer, prefix, stats, config, lambda name: _clipped(spec, name))
             qweights.update(q)
         del stats
         if awq.propagate == "quantized":

@@ -142,24 +142,30 @@ def call_module(module: torch.nn.Module, args: tuple, kwargs: Kwargs) -> torch.T
 class InputStats:
     """What a set of linears sharing one input saw over the calibration set.
 
-    `abs_sum`/`count`: per-channel mean |x| (the AWQ statistic). `cov`: per quantization group the
-    Gram matrix Σ x_g x_gᵀ [groups, gs, gs], from which the clip search gets the exact per-group
-    output error over every token without keeping the tokens.
+    `abs_sum`/`count`: per-channel mean |x| (the AWQ statistic). `gram`: Σ x xᵀ, either per
+    quantization group [groups, gs, gs] (enough for the clip search, which gets the exact per-group
+    output error over every token from it without keeping the tokens) or whole [in, in] (for
+    error-feedback rounding). `lowp` computes the products in bf16 (CPU AMX), accumulating in fp32.
     """
 
     abs_sum: torch.Tensor
     count: int = 0
-    cov: Optional[torch.Tensor] = None
+    gram: Optional[torch.Tensor] = None
     group_size: int = 0
+    full: bool = False
+    lowp: bool = False
     nonfinite: bool = False
 
     @classmethod
-    def empty(cls, in_features: int, group_size: int, device: torch.device, with_cov: bool) -> "InputStats":
-        cov = None
-        if with_cov:
-            groups = in_features // group_size
-            cov = torch.zeros(groups, group_size, group_size, device=device, dtype=torch.float32)
-        return cls(torch.zeros(in_features, device=device, dtype=torch.float32), 0, cov, group_size)
+    def empty(cls, in_features: int, group_size: int, device: torch.device, gram: Optional[str],
+              lowp: bool = False) -> "InputStats":
+        """`gram` is None, "groups" or "full"."""
+        g = None
+        if gram == "full":
+            g = torch.zeros(in_features, in_features, device=device, dtype=torch.float32)
+        elif gram == "groups":
+            g = torch.zeros(in_features // group_size, group_size, group_size, device=device, dtype=torch.float32)
+        return cls(torch.zeros(in_features, device=device, dtype=torch.float32), 0, g, group_size, gram == "full", lowp)
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
@@ -169,13 +175,35 @@ class InputStats:
             return
         self.abs_sum += x.abs().sum(0)
         self.count += x.shape[0]
-        if self.cov is not None:
-            g = x.reshape(x.shape[0], -1, self.group_size).transpose(0, 1)  # [groups, tokens, gs]
-            self.cov.baddbmm_(g.transpose(1, 2), g)
+        if self.gram is None:
+            return
+        xm = x.to(torch.bfloat16) if self.lowp else x
+        if self.full:
+            self.gram += (xm.t() @ xm).float()
+        else:
+            g = xm.reshape(x.shape[0], -1, self.group_size).transpose(0, 1)  # [groups, tokens, gs]
+            self.gram += torch.bmm(g.transpose(1, 2), g).float()
 
     @property
     def mean_abs(self) -> torch.Tensor:
         return self.abs_sum / max(self.count, 1)
+
+    def group_gram(self) -> Optional[torch.Tensor]:
+        """Σ x_g x_gᵀ per quantization group, [groups, gs, gs]."""
+        if self.gram is None or not self.full:
+            return self.gram
+        n, gs = self.gram.shape[0], self.group_size
+        return self.gram.reshape(n // gs, gs, n // gs, gs).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+
+    def rescale(self, columns: torch.Tensor) -> None:
+        """The input became x / `columns` (scales folded into the linears): update the statistics."""
+        inv = 1.0 / columns.to(self.abs_sum.device).float()
+        self.abs_sum *= inv
+        if self.gram is not None and self.full:
+            self.gram *= inv.unsqueeze(1) * inv.unsqueeze(0)
+        elif self.gram is not None:
+            inv = inv.reshape(self.gram.shape[0], -1)
+            self.gram *= inv.unsqueeze(2) * inv.unsqueeze(1)
 
 
 @dataclass
@@ -183,3 +211,48 @@ class Captured:
     """Inputs of a group's loss module on the search batches: positional args and kwargs per batch."""
 
     calls: list[tuple[tuple, Kwargs]] = field(default_factory=list)
+
+
+@torch.no_grad()
+def gather_block(
+    layer: torch.nn.Module, inputs: BlockInputs, index: int, stats: dict[tuple[str, ...], InputStats],
+    loss_modules: list[str], n_search: int, fwd, keep_outputs: bool,
+) -> tuple[list[torch.Tensor], list[list[tuple[tuple, Kwargs]]]]:
+    """One fp forward of the block over every batch, with hooks.
+
+    Fills `stats` (keyed by the linears sharing an input; the first one's input is recorded) and
+    returns the block's outputs (if `keep_outputs`) and, per entry of `loss_modules`, the calls
+    (args, kwargs) it received on the first `n_search` windows: the search replays them.
+    """
+    captured: list[list] = [[] for _ in loss_modules]
+    state = {"search": False}
+
+    def stat_hook(names):
+        def hook(_module, args):
+            with torch.autocast(args[0].device.type, enabled=False):  # statistics in fp32
+                stats[names].add(args[0])
+        return hook
+
+    def capture_hook(i):
+        def hook(_module, args, kwargs):
+            if state["search"]:
+                captured[i].append((args, kwargs))
+        return hook
+
+    handles = [layer.get_submodule(names[0]).register_forward_pre_hook(stat_hook(names)) for names in stats]
+    handles += [layer.get_submodule(name).register_forward_pre_hook(capture_hook(i), with_kwargs=True)
+                for i, name in enumerate(loss_modules)]
+    outputs = []
+    try:
+        seen = 0
+        for hidden, kwargs in inputs.batches(index):
+            state["search"] = seen < n_search
+            with fwd():
+                out = call_layer(layer, hidden, kwargs)
+            if keep_outputs:
+                outputs.append(out)
+            seen += hidden.shape[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return outputs, captured

@@ -49,7 +49,7 @@ def test_folding_keeps_the_fp_function(arch, monkeypatch):
     ids = windows(2, 24, seed=1)
     with torch.no_grad():
         before = model(ids).logits
-    monkeypatch.setattr(awq_mod, "_quantize_linears", lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(awq_mod, "finalize_block", lambda *a, **k: ({}, {}))
     _, info = run_awq(model, **{"awq.propagate": "fp"})
     folded = [g for b in info["blocks"] for g in b["groups"] if not g["fallback"]]
     assert len(folded) >= 4, info["fallbacks"]  # scales really were applied, v→o under GQA included
@@ -89,7 +89,7 @@ def test_search_never_worse_than_rtn(arch):
         assert g["loss"] <= g["loss_rtn"], g
     assert any(g["loss"] < g["loss_rtn"] for g in searched)  # the search does something
     for b in info["blocks"]:
-        for name, c in b["clip"].items():
+        for name, c in b["linears"].items():
             assert c["loss"] <= c["loss_noclip"] * (1 + 1e-6), (name, c)
     assert {"capture", "forward", "search", "clip+quantize"} <= set(info["phases_s"])
 
@@ -150,7 +150,7 @@ def test_cli_awq(tiny_models, text_file, tmp_path):
     report = json.loads((out / "quant_report.json").read_text())
     assert report["method"] == "awq" and report["config"]["awq"]["clip"] is False
     assert report["config"]["awq"]["duo_scaling"] is False and report["calibration"]["samples"] == 4
-    assert all(not b["clip"] for b in report["awq"]["blocks"])
+    assert all("loss" not in e for b in report["awq"]["blocks"] for e in b["linears"].values())
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -166,3 +166,38 @@ def test_fake_quantize_is_the_checkpoint_rounding(symmetric):
     mx, mn = g.amax(-1) * 0.8, g.amin(-1) * 0.7
     assert torch.equal(fake_quantize(w, cfg), quantize_weight(w, cfg).dequantize())
     assert torch.equal(fake_quantize(w, cfg, mx, mn), quantize_weight(w, cfg, mx, mn).dequantize())
+
+
+def test_gptq_rounding_lowers_output_error_and_reduces_to_rtn_without_correlation():
+    from quantkit.config import WeightQuantConfig
+    from quantkit.quantize.primitives import quantize_weight
+    from quantkit.quantize.rounding import gptq_codes, output_error
+
+    torch.manual_seed(2)
+    cfg = WeightQuantConfig(4, 32)
+    w = torch.randn(24, 64)
+    qw = quantize_weight(w, cfg)
+    # Uncorrelated inputs of equal power: nothing to feed back, the codes are the nearest ones.
+    eye = torch.eye(64) * 5.0
+    assert torch.equal(gptq_codes(w, eye, qw.scales, qw.zeros, 4, 32), qw.q)
+    # Correlated inputs: the output error drops below nearest rounding's, codes stay in range.
+    x = torch.randn(512, 8) @ torch.randn(8, 64) + 0.1 * torch.randn(512, 64)
+    h = x.t() @ x
+    codes = gptq_codes(w, h, qw.scales, qw.zeros, 4, 32)
+    assert codes.min() >= 0 and codes.max() <= 15
+    from quantkit.quantize.primitives import dequantize
+
+    assert output_error(w, dequantize(codes, qw.zeros, qw.scales, 32), h) < 0.8 * output_error(w, qw.dequantize(), h)
+
+
+def test_gptq_rounding_round_trips(tiny_models, text_file, tmp_path):
+    loaded = load_fp_model(tiny_models["qwen2"])
+    config = build_config(method="awq", **FAST, **{"calib.samples": 8, "calib.seqlen": 32, "awq.rounding": "gptq"})
+    res = quantkit.quantize(loaded, config, calib=str(text_file), work_dir=tmp_path / "q", progress=False)
+    entries = [e for b in res.report["awq"]["blocks"] for e in b["linears"].values()]
+    assert len(entries) == 14 and all(e["out_err_gptq"] <= e["out_err_nearest"] * 1.5 for e in entries)
+    ids = windows(2, 16, seed=4)
+    with torch.no_grad():
+        want = torch.nn.Module.float(loaded.model)(ids).logits
+        model, _ = quantkit.load(res.work_dir, device="cpu", dtype=torch.float32)
+        torch.testing.assert_close(model(ids).logits, want, rtol=2e-3, atol=2e-3)
