@@ -151,7 +151,7 @@ def test_quantize_writes_stats_that_match_the_cache_states(checkpoint):
 
 def test_load_and_pipeline_use_the_quantized_cache(checkpoint):
     model, tok = quantkit.load(checkpoint, device="cpu", kv_bits=4, kv_scales="static")
-    assert kv_cache_factory(model).settings.describe() == "KV4 static (K per channel)"
+    assert kv_cache_factory(model).settings.describe() == "KV4 static"
     ids = tok("the cache keeps keys", return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, "cache", None) or out.past_key_values
