@@ -60,6 +60,8 @@ def print_table(result: Comparison, title: Optional[str] = None) -> None:
     for line in cells:
         table.add_row(*line)
     console = Console()
+    if not console.is_terminal:  # piped into a file or a log: no terminal width to fit, keep rows whole
+        console = Console(width=200)
     console.print(table)
     for n in _footnotes(result):
         console.print(n, style="dim")
