@@ -8,6 +8,7 @@ code for where rotary embeddings are applied.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -84,8 +85,6 @@ class _ObservingCache(Cache):
 @torch.inference_mode()
 def collect_kv_stats(model: torch.nn.Module, windows: torch.Tensor, progress: bool = True) -> KVStats:
     """Ranges of K and V over every token of `windows` [n, seqlen], on the model's own device and dtype."""
-    import inspect
-
     observer = _RangeObserver()
     text = model.config.get_text_config(decoder=True)
     params = inspect.signature(type(model).forward).parameters
