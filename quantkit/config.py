@@ -86,7 +86,7 @@ class AWQConfig:
     cpu_bf16: bool = True
     # Integer codes under AWQ's scales/zeros: "nearest" (the reference tools) or "gptq" (error feedback
     # through the inputs' Gram matrix, Frantar et al. 2022; same checkpoint layout).
-    rounding: str = "nearest"
+    rounding: str = "gptq"
 
     def __post_init__(self) -> None:
         if self.n_grid < 1:

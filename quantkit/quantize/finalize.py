@@ -23,30 +23,40 @@ def _codes_dtype(bits: int) -> torch.dtype:
 
 
 @torch.no_grad()
-def quantize_linear(w: torch.Tensor, stats: InputStats, cfg: QuantizeConfig, clip: bool) -> tuple[QuantizedWeight, dict[str, Any]]:
-    """Quantize W [out, in] (float32, scales already folded) with `stats` of its input; returns its report."""
+def nearest(w: torch.Tensor, stats: InputStats, cfg: QuantizeConfig, clip: bool) -> tuple[QuantizedWeight, dict[str, Any]]:
+    """W [out, in] (float32, scales already folded) with its clip range searched, rounded to nearest."""
     entry: dict[str, Any] = {}
-    usable = not stats.nonfinite and stats.gram is not None
     max_val = min_val = None
-    if clip and usable:
+    if clip and not stats.nonfinite and stats.gram is not None:
         res = search_clip(w, stats.group_gram(), cfg.weight, cfg.awq.n_grid, cfg.awq.max_shrink, cfg.awq.asym_clip)
         if math.isfinite(res.loss) and res.loss <= res.loss_noclip:
             max_val, min_val = res.max_val, res.min_val
         entry.update(loss_noclip=res.loss_noclip, loss=res.loss)
-    qw = quantize_weight(w, cfg.weight, max_val, min_val)
-    if cfg.awq.rounding == "gptq" and usable and stats.full:
-        codes = gptq_codes(w, stats.gram, qw.scales, qw.zeros, qw.bits, qw.group_size)
-        candidate = QuantizedWeight(codes, qw.zeros, qw.scales, qw.bits, qw.group_size)
+    return quantize_weight(w, cfg.weight, max_val, min_val), entry
+
+
+@torch.no_grad()
+def error_feedback(ws: list[torch.Tensor], qws: list[QuantizedWeight], stats: InputStats,
+                   entries: list[dict[str, Any]]) -> list[QuantizedWeight]:
+    """GPTQ codes for linears sharing one input, in one pass over their stacked rows (rows are
+    independent given H, so stacking q, k, v or gate, up is exact and saves a column loop each)."""
+    first = qws[0]
+    codes = gptq_codes(torch.cat(ws), stats.gram, torch.cat([q.scales for q in qws]),
+                       torch.cat([q.zeros for q in qws]), first.bits, first.group_size)
+    if codes is None:
+        for e in entries:
+            e["fallback"] = "Gram matrix not positive definite: nearest rounding"
+        return qws
+    out, row = [], 0
+    for w, qw, entry in zip(ws, qws, entries):
+        candidate = QuantizedWeight(codes[row : row + w.shape[0]], qw.zeros, qw.scales, qw.bits, qw.group_size)
+        row += w.shape[0]
         err_nearest = output_error(w, qw.dequantize(), stats.gram)
         err_gptq = output_error(w, candidate.dequantize(), stats.gram)
         entry.update(out_err_nearest=err_nearest, out_err_gptq=err_gptq)
         # The guard: error feedback keeps the codes only where it lowered the output error.
-        if math.isfinite(err_gptq) and err_gptq < err_nearest:
-            qw = candidate
-    if not torch.isfinite(qw.dequantize()).all():  # never keep (or write) a non-finite weight
-        qw = quantize_weight(torch.nan_to_num(w), cfg.weight)
-        entry["fallback"] = "non-finite weight: plain RTN of nan_to_num"
-    return qw, entry
+        out.append(candidate if math.isfinite(err_gptq) and err_gptq < err_nearest else qw)
+    return out
 
 
 @torch.no_grad()
@@ -56,9 +66,16 @@ def finalize_block(layer: torch.nn.Module, prefix: str, sets_stats: dict[tuple[s
     out: dict[str, QuantizedWeight] = {}
     report: dict[str, Any] = {}
     for names, stats in sets_stats.items():
-        for name in names:
+        ws = [layer.get_submodule(n).weight.data.float() for n in names]
+        results = [nearest(w, stats, cfg, cfg.awq.clip and clipped(n)) for w, n in zip(ws, names)]
+        qws, entries = [r[0] for r in results], [r[1] for r in results]
+        if cfg.awq.rounding == "gptq" and stats.full and not stats.nonfinite:
+            qws = error_feedback(ws, qws, stats, entries)
+        for name, w, qw, entry in zip(names, ws, qws, entries):
+            if not torch.isfinite(qw.dequantize()).all():  # never keep (or write) a non-finite weight
+                qw = quantize_weight(torch.nan_to_num(w), cfg.weight)
+                entry["fallback"] = "non-finite weight: plain RTN of nan_to_num"
             lin = layer.get_submodule(name)
-            qw, entry = quantize_linear(lin.weight.data.float(), stats, cfg, cfg.awq.clip and clipped(name))
             lin.weight.data = qw.dequantize().to(lin.weight.dtype)
             out[f"{prefix}.{name}"] = QuantizedWeight(qw.q.to(_codes_dtype(qw.bits)).cpu(), qw.zeros.cpu(),
                                                       qw.scales.cpu(), qw.bits, qw.group_size)

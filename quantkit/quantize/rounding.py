@@ -10,6 +10,8 @@ checkpoint layout and every consumer are unchanged; only the integer codes diffe
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # Fraction of the mean diagonal added to H: keeps the Cholesky factorisation stable when some
@@ -24,35 +26,54 @@ def output_error(w: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> fl
     return float(((d @ hessian) * d).sum())
 
 
+def _inverse_cholesky(h: torch.Tensor) -> Optional[torch.Tensor]:
+    """Upper Cholesky factor of (H + λI)⁻¹, λ growing tenfold until the factorisation succeeds."""
+    eye = torch.eye(h.shape[0], device=h.device, dtype=h.dtype)
+    mean_diag = torch.diag(h).mean()
+    for attempt in range(4):
+        chol, info = torch.linalg.cholesky_ex(h + DAMP * 10**attempt * mean_diag * eye)
+        if int(info) == 0:
+            u, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+            if int(info) == 0 and torch.isfinite(u).all():
+                return u
+    return None
+
+
 @torch.no_grad()
 def gptq_codes(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               bits: int, group_size: int) -> torch.Tensor:
-    """Integer codes [out, in] (int32) for W [out, in] under fixed per-group `scales`/`zeros` [out, groups]."""
+               bits: int, group_size: int) -> Optional[torch.Tensor]:
+    """Integer codes [out, in] (int32) for W [out, in] under fixed per-group `scales`/`zeros` [out, groups].
+
+    None when H cannot be factorised even with extra damping (the caller keeps nearest rounding).
+    """
     w = w.float().clone()
     n = w.shape[1]
     h = hessian.float().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0  # a channel that never fires: any code is as good as any other
     w[:, dead] = 0.0
-    h += DAMP * torch.diag(h).mean() * torch.eye(n, device=h.device, dtype=h.dtype)
-    hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    u = torch.linalg.cholesky(hinv, upper=True)
+    u = _inverse_cholesky(h)
+    if u is None:
+        return None
     qmax = 2**bits - 1
     scales, zeros = scales.float(), zeros.float()
     codes = torch.empty(w.shape, dtype=torch.int32, device=w.device)
     for b0 in range(0, n, BLOCK):
         b1 = min(b0 + BLOCK, n)
         wb = w[:, b0:b1].clone()
+        qb = torch.empty_like(wb)
         errs = torch.empty_like(wb)
         ub = u[b0:b1, b0:b1]
+        groups = torch.arange(b0, b1, device=w.device) // group_size
+        sb, zb = scales[:, groups], zeros[:, groups]  # per column of the block: few launches per column
+        inv_diag = (1.0 / torch.diag(ub)).tolist()
         for j in range(b1 - b0):
-            g = (b0 + j) // group_size
-            s, z = scales[:, g], zeros[:, g]
-            col = wb[:, j]
+            col, s, z = wb[:, j], sb[:, j], zb[:, j]
             q = torch.round(col / s).add_(z).clamp_(0, qmax)
-            codes[:, b0 + j] = q.to(torch.int32)
-            err = (col - (q - z) * s) / ub[j, j]
-            wb[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
+            qb[:, j] = q
+            err = (col - (q - z) * s).mul_(inv_diag[j])
+            wb[:, j + 1 :].addr_(err, ub[j, j + 1 :], alpha=-1.0)
             errs[:, j] = err
+        codes[:, b0:b1] = qb.to(torch.int32)
         w[:, b1:] -= errs @ u[b0:b1, b1:]
     return codes

@@ -89,7 +89,9 @@ def test_search_never_worse_than_rtn(arch):
         assert g["loss"] <= g["loss_rtn"], g
     assert any(g["loss"] < g["loss_rtn"] for g in searched)  # the search does something
     for b in info["blocks"]:
-        for name, c in b["linears"].items():
+        clipped = {name: c for name, c in b["linears"].items() if "loss_noclip" in c}
+        assert set(clipped) == {"self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+        for name, c in clipped.items():
             assert c["loss"] <= c["loss_noclip"] * (1 + 1e-6), (name, c)
     assert {"capture", "forward", "search", "clip+quantize"} <= set(info["phases_s"])
 
