@@ -115,8 +115,8 @@ def generate(
 def demo(
     work_dir: Path = typer.Option(Path("runs/demo"), "--work-dir", "-o", help="Where the demo checkpoint is written (replaced)."),
     method: str = typer.Option("awq", "--method", help="awq or rtn."),
-    calib_samples: int = typer.Option(16, "--calib-samples", help="Calibration windows (the demo keeps this small)."),
-    eval_windows: int = typer.Option(20, "--eval-windows", help="Evaluation windows of 512 tokens."),
+    calib_samples: int = typer.Option(8, "--calib-samples", help="Calibration windows (the demo keeps this small)."),
+    eval_windows: int = typer.Option(10, "--eval-windows", help="Evaluation windows of 512 tokens."),
     data_dir: str | None = typer.Option(
         None, "--data-dir", help="Directory holding ptb.valid.txt/ptb.test.txt; without it (and offline) the demo "
         "uses Python's own documentation text."),

@@ -36,9 +36,9 @@ class DemoSettings:
     method: str = "awq"
     bits: int = 4
     group_size: int = 64  # SmolLM2's hidden size, 576, is not a multiple of 128
-    calib_samples: int = 16
+    calib_samples: int = 8
     calib_seqlen: int = 512
-    eval_windows: int = 20
+    eval_windows: int = 10
     eval_seqlen: int = 512
     data_dir: str | None = None
     install: bool = True
