@@ -84,7 +84,8 @@ def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None
         weight=WeightQuantConfig(settings.bits, settings.group_size),
         calib=CalibConfig(dataset=dataset, samples=settings.calib_samples, seqlen=settings.calib_seqlen,
                           data_dir=settings.data_dir),
-        awq=AWQConfig(),
+        # A lighter search than the default (10 ratios, no clip search) keeps the demo to minutes on a CPU.
+        awq=AWQConfig(n_grid=10, clip=False),
         device="cpu",
     )
     echo(f"quantizing {gguf.name} with {settings.method.upper()} W{settings.bits} g{settings.group_size}, "
