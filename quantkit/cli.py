@@ -140,7 +140,7 @@ WINDOWS = typer.Option(None, "--windows", help="Evaluate only the first N window
 KV_BITS = typer.Option([16], "--kv-bits", help="KV cache bits: 16 (unquantized), 8 or 4 (repeatable).")
 KV_SCALES = typer.Option("online", "--kv-scales", help="online (per token per head) or static (from kv_stats.safetensors).")
 DATA_DIR = typer.Option(None, "--data-dir", help="Directory holding ptb.test.txt etc. (default: $QUANTKIT_DATA_DIR).")
-DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: cuda for checkpoints when present; fp models on cpu).")
+DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
 AS_JSON = typer.Option(False, "--json", help="Print the results as JSON instead of a table.")
 
 

@@ -63,8 +63,8 @@ def load_for_eval(path: str | Path, kv_bits: int = 16, kv_scales: str = "online"
                   device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> EvalModel:
     """Load `path` for evaluation, with a quantized KV cache attached when `kv_bits` is 8 or 4.
 
-    Checkpoints load through `quantkit.load`; fp models on the CPU in float32 unless `dtype` says
-    otherwise. See `set_kv_cache` for the KV settings.
+    Checkpoints load through `quantkit.load`; fp models likewise on CUDA in float16 when present, else
+    on the CPU in float32, unless `device` / `dtype` say otherwise. See `set_kv_cache` for the KV settings.
     """
     KVQuantConfig(kv_bits, kv_scales)  # a bad --kv-bits fails here, before any loading
     p = Path(path)
@@ -77,10 +77,11 @@ def load_for_eval(path: str | Path, kv_bits: int = 16, kv_scales: str = "online"
     else:
         from quantkit.models.loading import load_fp_model
 
-        loaded = load_fp_model(p, dtype=dtype or torch.float32)
+        # Same defaults as quantkit.load: the GPU in fp16 when there is one, else the CPU in fp32.
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        loaded = load_fp_model(p, dtype=dtype or (torch.float16 if dev.type == "cuda" else torch.float32))
         model, tok = loaded.model, loaded.tokenizer
-        if device:
-            model.to(device)
+        torch.nn.Module.to(model, dev)  # Module.to: transformers guards .to on models it flags quantized (GGUF)
         method, bits, group_size = "fp", 16, None
         if p.is_file():  # a .gguf is evaluated dequantized: its fp16 size is the one to compare with
             size = sum(t.numel() for t in model.parameters()) * 2  # parameters() counts tied weights once
