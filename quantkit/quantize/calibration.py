@@ -145,7 +145,7 @@ class InputStats:
     `abs_sum`/`count`: per-channel mean |x| (the AWQ statistic). `gram`: Σ x xᵀ, either per
     quantization group [groups, gs, gs] (enough for the clip search, which gets the exact per-group
     output error over every token from it without keeping the tokens) or whole [in, in] (for
-    error-feedback rounding). `lowp` computes the products in bf16 (CPU AMX), accumulating in fp32.
+    error-feedback rounding).
     """
 
     abs_sum: torch.Tensor
@@ -153,19 +153,17 @@ class InputStats:
     gram: Optional[torch.Tensor] = None
     group_size: int = 0
     full: bool = False
-    lowp: bool = False
     nonfinite: bool = False
 
     @classmethod
-    def empty(cls, in_features: int, group_size: int, device: torch.device, gram: Optional[str],
-              lowp: bool = False) -> "InputStats":
+    def empty(cls, in_features: int, group_size: int, device: torch.device, gram: Optional[str]) -> "InputStats":
         """`gram` is None, "groups" or "full"."""
         g = None
         if gram == "full":
             g = torch.zeros(in_features, in_features, device=device, dtype=torch.float32)
         elif gram == "groups":
             g = torch.zeros(in_features // group_size, group_size, group_size, device=device, dtype=torch.float32)
-        return cls(torch.zeros(in_features, device=device, dtype=torch.float32), 0, g, group_size, gram == "full", lowp)
+        return cls(torch.zeros(in_features, device=device, dtype=torch.float32), 0, g, group_size, gram == "full")
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
@@ -177,12 +175,12 @@ class InputStats:
         self.count += x.shape[0]
         if self.gram is None:
             return
-        xm = x.to(torch.bfloat16) if self.lowp else x
+        # fp32 products: bf16-rounded Gram matrices stop being positive definite (seen on SmolLM2).
         if self.full:
-            self.gram += (xm.t() @ xm).float()
+            self.gram.addmm_(x.t(), x)
         else:
-            g = xm.reshape(x.shape[0], -1, self.group_size).transpose(0, 1)  # [groups, tokens, gs]
-            self.gram += torch.bmm(g.transpose(1, 2), g).float()
+            g = x.reshape(x.shape[0], -1, self.group_size).transpose(0, 1)  # [groups, tokens, gs]
+            self.gram.baddbmm_(g.transpose(1, 2), g)
 
     @property
     def mean_abs(self) -> torch.Tensor:
