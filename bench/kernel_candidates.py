@@ -22,37 +22,55 @@ def random_kw(k: int, n: int, bits: int, group_size: int) -> KernelWeights:
     """Random weights already in the kernel layout (timing needs realistic bytes, not values)."""
     gs = k if group_size == -1 else group_size
     g = k // gs
+    awq = None
+    if bits == 4:  # the AWQ gemm checkpoint tensors too, for the large-M GEMM that reads them directly
+        awq = (torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"),
+               torch.randint(-(2**31), 2**31 - 1, (g, n // 8), dtype=torch.int32, device="cuda"),
+               (torch.rand(g, n, device="cuda") * 0.01 + 0.001).half())
     return KernelWeights(
         qweight=torch.randint(-(2**31), 2**31 - 1, (n, k * bits // 32), dtype=torch.int32, device="cuda"),
         scales=(torch.rand(n, g, device="cuda") * 0.01 + 0.001).half(),
         zeros=torch.randint(0, 2**bits, (n, g), dtype=torch.uint8, device="cuda"),
-        bits=bits, group_size=gs, in_features=k, out_features=n,
+        bits=bits, group_size=gs, in_features=k, out_features=n, awq=awq,
     )
 
 
-def _gemv(bn, nb, nw, programs):
-    return dispatch.Choice("gemv", dict(block_n=bn, blocks=nb, num_warps=nw), programs)
+def _gemv(bn, nb, nw, programs, stages=1):
+    return dispatch.Choice("gemv", dict(block_n=bn, blocks=nb, num_warps=nw, num_stages=stages), programs)
 
 
 def _gemm(bm, bn, nb, nw, ns, swap, programs):
-    return dispatch.Choice("gemm", dict(block_m=bm, block_n=bn, blocks=nb, num_warps=nw, num_stages=ns, swap_ab=swap), programs)
+    return dispatch.Choice("gemm", dict(block_m=bm, block_n=bn, blocks=nb, num_warps=nw, num_stages=ns, swap_ab=swap),
+                           programs)
+
+
+def _awq(bm, bn, bk, nw, ns):
+    return dispatch.Choice("awq_gemm", dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
+
+
+# GEMV tiles (block_n, blocks, warps, cp.async stages). Run 4 of bench/KERNELS_NOTES.md also timed
+# (16, 16, 4, 1–3), (32, 16, 8, 2–3) and (16, 8, 4, 3–4): never faster, dropped to save tuning time.
+GEMV_TILES = ((32, 16, 2, 1), (32, 16, 4, 2), (64, 16, 8, 2))
 
 
 def candidates(bits: int, m: int) -> list[dispatch.Choice]:
     """Configurations worth timing at this M (kept small: every one costs a compile on the GPU)."""
     out: list[dispatch.Choice] = []
     if m == 1:
-        out += [_gemv(bn, nb, nw, p) for bn, nb, nw in ((64, 16, 4), (32, 16, 4), (32, 16, 2), (64, 8, 4))
-                for p in (2, 4, 8, 16)]
+        out += [_gemv(bn, nb, nw, p, st) for bn, nb, nw, st in GEMV_TILES for p in (4, 8)]
     elif m <= 8:
-        out += [_gemv(bn, nb, 4, p) for bn, nb in ((64, 16), (32, 16)) for p in (4, 8)]
+        out += [_gemv(bn, nb, nw, 4, st) for bn, nb, nw, st in GEMV_TILES]
     if 2 <= m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        out += [_gemm(bm, bn, 8, 4, 3, swap, p) for bn, swap in ((64, True), (128, True), (64, False))
-                for p in (1, 2, 4)]
-    if m >= 128:
-        out += [_gemm(128, 128, 8, 8, 3, False, 1), _gemm(64, 128, 8, 4, 3, True, 1),
-                _gemm(128, 256, 8, 8, 3, False, 1), _gemm(64, 256, 8, 8, 3, False, 1)]
+        out += [_gemm(bm, 64, 8, 4, 3, True, p) for p in (2, 4)]
+    if bits == 4 and m >= 16:
+        bm = min(128, max(16, 1 << (m - 1).bit_length()))
+        tiles = {(bm, 128, 128, 4, 4), (bm, 64, 128, 4, 4)} if bm < 128 else set()
+        if bm >= 64:
+            tiles |= {(64, 128, 64, 4, 3), (64, 256, 64, 8, 3)}
+        if bm >= 128:
+            tiles |= {(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4)}
+        out += [_awq(*t) for t in sorted(tiles)]
     if m >= 16:
         out.append(dispatch.Choice("dequant+cublas"))
     return out

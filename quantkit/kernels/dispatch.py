@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import triton
 
-from quantkit.kernels import triton_gemm, triton_gemv
+from quantkit.kernels import triton_awq_gemm, triton_gemm, triton_gemv
 from quantkit.kernels.triton_layout import KernelWeights, from_module
 
 
@@ -26,13 +26,13 @@ from quantkit.kernels.triton_layout import KernelWeights, from_module
 class Choice:
     """A kernel and its tile parameters; `programs` is the split-K target in programs per SM."""
 
-    method: str  # "gemv", "gemm" or "dequant+cublas"
+    method: str  # "gemv", "gemm", "awq_gemm" or "dequant+cublas"
     params: dict = field(default_factory=dict)
     programs: float = 4.0
 
 
-def _gemv(block_n: int, blocks: int, num_warps: int, programs: float) -> Choice:
-    return Choice("gemv", dict(block_n=block_n, blocks=blocks, num_warps=num_warps), programs)
+def _gemv(block_n: int, blocks: int, num_warps: int, programs: float, num_stages: int = 1) -> Choice:
+    return Choice("gemv", dict(block_n=block_n, blocks=blocks, num_warps=num_warps, num_stages=num_stages), programs)
 
 
 def _gemm(block_m: int, block_n: int, programs: float) -> Choice:
@@ -119,7 +119,9 @@ def run(x2d: torch.Tensor, kw: KernelWeights, bias: torch.Tensor | None, choice:
     """y [M, N] for x [M, K] with the given choice."""
     m = x2d.shape[0]
     n, k8 = kw.out_features, kw.qweight.shape[1]
-    if choice.method == "dequant+cublas":
+    if choice.method == "awq_gemm" and kw.awq is not None:
+        return triton_awq_gemm.awq_gemm(x2d, *kw.awq, kw.group_size, bias, **choice.params)
+    if choice.method in ("dequant+cublas", "awq_gemm"):  # awq_gemm without AWQ tensors: the same fallback
         w = triton_gemm.dequantize(kw, x2d.dtype)
         return torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
     p = choice.params

@@ -21,12 +21,17 @@ from quantkit.kernels.triton_splitk import clamp_split, counters, store_tile, wo
 
 
 @triton.jit
+def _dequant_values(q, zb, s, HALF: tl.constexpr, dtype: tl.constexpr):
+    """Integers q (already masked) as W values in `dtype`; zb = bias + z and s broadcast to q."""
+    if HALF:
+        return ((q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zb) * s
+    return (((q | 0x4B000000).to(tl.float32, bitcast=True) - zb) * s).to(dtype)
+
+
+@triton.jit
 def _dequant_plane(wt, j, zb, s, BITS: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
     """Plane j of a word tile as W values in `dtype` (zb = bias + z and s broadcast to wt's shape)."""
-    qj = (wt >> (BITS * j)) & ((1 << BITS) - 1)
-    if HALF:
-        return ((qj | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zb) * s
-    return (((qj | 0x4B000000).to(tl.float32, bitcast=True) - zb) * s).to(dtype)
+    return _dequant_values((wt >> (BITS * j)) & ((1 << BITS) - 1), zb, s, HALF, dtype)
 
 
 @triton.jit
@@ -132,14 +137,27 @@ def dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, K8, G, group_size: tl.con
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w0 = pid_k * TILE_W
-    wt, zb, s = _load_words(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, K8, K8, G, group_size, PER_WORD, TILE_W, HALF)
-    offs_i = tl.arange(0, TILE_W)
-    k0 = w0 * PER_WORD + (offs_i // 4) * BLOCK + offs_i % 4
-    rows = out_ptr + offs_n.to(tl.int64)[:, None] * K
-    for j in tl.static_range(PER_WORD):
-        kj = k0 + 4 * j
-        tl.store(rows + kj[None, :], _dequant_plane(wt, j, zb, s, BITS, HALF, dtype),
-                 mask=n_ok[:, None] & (kj < K)[None, :])
+    # A [BN, BLOCKS, 4·(32/b)] tile in K order: element c of block blk is input 4·(c // 4) + c % 4,
+    # i.e. bit plane c // 4 of word c % 4. Each thread reads its 4 words (one 16-byte load, again for
+    # every plane: L1 hits) and stores runs of consecutive values (16-byte stores), not plane by plane.
+    blk = w0 + tl.arange(0, BLOCKS) * 4
+    c = tl.arange(0, BLOCK)
+    words = blk[None, :, None] + (c % 4)[None, None, :]
+    ok = n_ok[:, None, None] & (blk < K8)[None, :, None]
+    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + words, mask=ok, other=0)
+    q = (wt >> (BITS * (c // 4))[None, None, :]) & ((1 << BITS) - 1)
+    sz = offs_n[:, None] * G + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
+    s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
+    z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
+    if HALF:
+        zb = (z + 1024).to(tl.float16)
+    else:
+        zb = (z + 8388608).to(tl.float32)
+        s = s.to(tl.float32)
+    w = _dequant_values(q, zb[:, :, None], s[:, :, None], HALF, dtype)
+    offs_k = blk[:, None] * PER_WORD + c[None, :]
+    rows = out_ptr + offs_n.to(tl.int64)[:, None, None] * K
+    tl.store(rows + offs_k[None, :, :], w, mask=ok & (offs_k < K)[None, :, :])
 
 
 def gemm(

@@ -24,7 +24,7 @@ def gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, K8, G, stride_xm, stride_om, group_size: tl.constexpr,
     BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, SPLIT_K, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DENORMAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DENORMAL: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -47,7 +47,9 @@ def gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K8
     sz_rows = offs_n[:, None] * G
     acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
-    for w0 in range(lo, hi, TILE_W):
+    # NUM_STAGES > 1: Triton streams the weight tiles through shared memory with cp.async, keeping
+    # that many tiles in flight per program (what a GEMV needs to cover DRAM latency).
+    for w0 in tl.range(lo, hi, TILE_W, num_stages=NUM_STAGES):
         # A 2-D load keeps consecutive words on consecutive lanes (16-byte, coalesced loads).
         i_ok = (w0 + offs_i) < hi
         wt = tl.load(w_rows + (w0 + offs_i)[None, :], mask=n_ok[:, None] & i_ok[None, :], other=0)
@@ -104,6 +106,7 @@ def gemv(
     split_k: int = 1,
     num_warps: int = 4,
     denormal: bool = True,
+    num_stages: int = 1,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) in x's dtype; one program per (row, column tile, K slice)."""
@@ -123,6 +126,7 @@ def gemv(
         x, kw.qweight, kw.scales, kw.zeros, bias if bias is not None else out, out, ws, cnt,
         m, n, k, k8, g, x.stride(0), out.stride(0), group_size=kw.group_size,
         BITS=kw.bits, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k, SPLIT=split_k > 1,
-        HAS_BIAS=bias is not None, DENORMAL=denormal, num_warps=num_warps,
+        HAS_BIAS=bias is not None, DENORMAL=denormal, NUM_STAGES=num_stages, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
