@@ -22,16 +22,11 @@ def random_kw(k: int, n: int, bits: int, group_size: int) -> KernelWeights:
     """Random weights already in the kernel layout (timing needs realistic bytes, not values)."""
     gs = k if group_size == -1 else group_size
     g = k // gs
-    awq = None
-    if bits == 4:  # the AWQ gemm checkpoint tensors too, for the large-M GEMM that reads them directly
-        awq = (torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"),
-               torch.randint(-(2**31), 2**31 - 1, (g, n // 8), dtype=torch.int32, device="cuda"),
-               (torch.rand(g, n, device="cuda") * 0.01 + 0.001).half())
     return KernelWeights(
         qweight=torch.randint(-(2**31), 2**31 - 1, (n, k * bits // 32), dtype=torch.int32, device="cuda"),
         scales=(torch.rand(n, g, device="cuda") * 0.01 + 0.001).half(),
         zeros=torch.randint(0, 2**bits, (n, g), dtype=torch.uint8, device="cuda"),
-        bits=bits, group_size=gs, in_features=k, out_features=n, awq=awq,
+        bits=bits, group_size=gs, in_features=k, out_features=n,
     )
 
 
@@ -42,10 +37,6 @@ def _gemv(bn, nb, nw, programs, stages=1):
 def _gemm(bm, bn, nb, nw, ns, swap, programs):
     return dispatch.Choice("gemm", dict(block_m=bm, block_n=bn, blocks=nb, num_warps=nw, num_stages=ns, swap_ab=swap),
                            programs)
-
-
-def _awq(bm, bn, bk, nw, ns):
-    return dispatch.Choice("awq_gemm", dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
 
 
 # GEMV tiles (block_n, blocks, warps, cp.async stages). Run 4 of bench/KERNELS_NOTES.md also timed
@@ -63,14 +54,6 @@ def candidates(bits: int, m: int) -> list[dispatch.Choice]:
     if 2 <= m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
         out += [_gemm(bm, 64, 8, 4, 3, True, p) for p in (2, 4)]
-    if bits == 4 and m >= 16:
-        bm = min(128, max(16, 1 << (m - 1).bit_length()))
-        tiles = {(bm, 128, 128, 4, 4), (bm, 64, 128, 4, 4)} if bm < 128 else set()
-        if bm >= 64:
-            tiles |= {(64, 128, 64, 4, 3), (64, 256, 64, 8, 3)}
-        if bm >= 128:
-            tiles |= {(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4)}
-        out += [_awq(*t) for t in sorted(tiles)]
     if m >= 16:
         out.append(dispatch.Choice("dequant+cublas"))
     return out

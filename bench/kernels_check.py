@@ -18,7 +18,6 @@ from bench.kernel_timing import rel_err
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
 from quantkit.kernels import dispatch, reference, triton_layout
-from quantkit.kernels.triton_awq_gemm import awq_gemm
 from quantkit.kernels.triton_gemm import dequantize, gemm
 from quantkit.kernels.triton_gemv import gemv
 
@@ -49,7 +48,7 @@ def poisoned(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
 
 
-def variants(m: int, awq: bool = False):
+def variants(m: int):
     """(name, fn(x, kw, out)) for every kernel path worth checking at this M."""
     out = []
     if m <= 8:
@@ -58,9 +57,6 @@ def variants(m: int, awq: bool = False):
         out.append(("gemv-pipe", lambda x, kw, y: gemv(x, kw, block_n=16, blocks=16, split_k=4, num_warps=4, num_stages=3, out=y)))
     out.append(("gemm-swap", lambda x, kw, y: gemm(x, kw, block_m=16, block_n=64, blocks=8, split_k=3, swap_ab=True, out=y)))
     out.append(("gemm", lambda x, kw, y: gemm(x, kw, block_m=64, block_n=128, blocks=8, split_k=1, out=y)))
-    if awq:
-        out.append(("awq-gemm", lambda x, kw, y: awq_gemm(x, *kw.awq, kw.group_size, block_m=64, block_n=128,
-                                                          block_k=64, num_warps=4, out=y)))
     out.append(("dequant", lambda x, kw, y: y.copy_(x @ dequantize(kw, x.dtype).t())))
     out.append(("dispatch", lambda x, kw, y: y.copy_(dispatch.run(x, kw, None, dispatch.choose(kw.bits, x.shape[0])))))
     return out
@@ -86,7 +82,7 @@ def main() -> None:
             for m in [int(v) for v in args.ms.split(",")]:
                 x = (torch.randn(m, k, device="cuda") * 0.5).to(dtype)
                 ref = ref_fn(x).float()
-                for name, fn in variants(m, kw.awq is not None):
+                for name, fn in variants(m):
                     y = poisoned(m, n, dtype)
                     try:
                         fn(x, kw, y)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import triton
 
-from quantkit.kernels import triton_awq_gemm, triton_gemm, triton_gemv
+from quantkit.kernels import triton_gemm, triton_gemv
 from quantkit.kernels.triton_layout import KernelWeights, from_module
 
 
@@ -26,7 +26,7 @@ from quantkit.kernels.triton_layout import KernelWeights, from_module
 class Choice:
     """A kernel and its tile parameters; `programs` is the split-K target in programs per SM."""
 
-    method: str  # "gemv", "gemm", "awq_gemm" or "dequant+cublas"
+    method: str  # "gemv", "gemm" or "dequant+cublas"
     params: dict = field(default_factory=dict)
     programs: float = 4.0
 
@@ -42,20 +42,19 @@ def _gemm(block_m: int, block_n: int, programs: float) -> Choice:
 
 _CUBLAS = Choice("dequant+cublas")
 # bits → rows of (largest M, choice); the first row whose bound is ≥ M is used. Measured on the H200
-# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M). Beyond
-# M = 128 (W4) and M = 16 (W8) the fused kernels lost to dequantize + cuBLAS in that run.
+# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M; run 2 of
+# 2026-11-30 in bench/KERNELS_NOTES.md). From M = 64 (W4) and beyond M = 16 (W8) every fused kernel
+# tried lost to dequantize (16-byte stores, ≈ 90 % of copy bandwidth) + cuBLAS.
 TABLE: dict[int, list[tuple[int, Choice]]] = {
     4: [
         (1, _gemv(32, 16, 2, 8)),
-        (2, _gemv(64, 16, 4, 4)),
+        (2, _gemv(32, 16, 2, 4)),
         (16, _gemm(16, 64, 4)),
         (32, _gemm(32, 64, 4)),
-        (64, _gemm(64, 128, 4)),
-        (128, _gemm(64, 128, 1)),
         (1 << 30, _CUBLAS),
     ],
     8: [
-        (1, _gemv(64, 16, 4, 4)),
+        (1, _gemv(32, 16, 2, 8)),
         (16, _gemm(16, 64, 4)),
         (1 << 30, _CUBLAS),
     ],
@@ -119,9 +118,7 @@ def run(x2d: torch.Tensor, kw: KernelWeights, bias: torch.Tensor | None, choice:
     """y [M, N] for x [M, K] with the given choice."""
     m = x2d.shape[0]
     n, k8 = kw.out_features, kw.qweight.shape[1]
-    if choice.method == "awq_gemm" and kw.awq is not None:
-        return triton_awq_gemm.awq_gemm(x2d, *kw.awq, kw.group_size, bias, **choice.params)
-    if choice.method in ("dequant+cublas", "awq_gemm"):  # awq_gemm without AWQ tensors: the same fallback
+    if choice.method == "dequant+cublas":
         w = triton_gemm.dequantize(kw, x2d.dtype)
         return torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
     p = choice.params

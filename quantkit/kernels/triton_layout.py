@@ -31,9 +31,6 @@ class KernelWeights:
     group_size: int
     in_features: int
     out_features: int
-    # The AWQ gemm checkpoint tensors (qweight, qzeros, scales) themselves, not copies, when the layer
-    # came in that layout: the large-M GEMM (triton_awq_gemm) reads them directly.
-    awq: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +88,7 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
         qweight=pack_block_planar(q, 4),
         scales=scales.t().contiguous().to(torch.float16),
         zeros=z.to(torch.uint8).contiguous(),
-        bits=4, group_size=group_size, in_features=k, out_features=n, awq=(qweight, qzeros, scales),
+        bits=4, group_size=group_size, in_features=k, out_features=n,
     )
 
 

@@ -142,22 +142,3 @@ def test_dispatch_table_can_be_replaced():
         dispatch.TABLE.clear()
         dispatch.TABLE.update(saved)
 
-
-@pytest.mark.parametrize("gs", [32, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_awq_gemm_reads_checkpoint_tensors(gs, dtype):
-    from quantkit.kernels.triton_awq_gemm import awq_gemm
-
-    g = torch.Generator().manual_seed(gs)
-    k, n, m = 256, 48, 21  # N = 48: a partial 32-column tile; M = 21: a partial row tile
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    z = torch.randint(1, 15, (n, k // gs), generator=g, dtype=torch.int32)
-    s = (torch.rand(n, k // gs, generator=g) * 0.02 + 0.002).half()
-    t = pack_awq_gemm(q, z, s)
-    bias = (torch.randn(n) * 0.1).to(dtype)
-    x = (torch.randn(m, k) * 0.5).to(dtype)
-    y = torch.full((m, n), float("nan"), dtype=dtype)
-    awq_gemm(x, t["qweight"], t["qzeros"], t["scales"], gs, bias, block_m=16, block_n=32, block_k=64, group_m=2,
-             out=y)
-    ref = reference.linear_awq(x, t["qweight"], t["qzeros"], t["scales"], gs, bias)
-    assert rel(y, ref) <= TOL
