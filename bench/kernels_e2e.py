@@ -81,6 +81,18 @@ def main() -> None:
     print(f"checkpoint built and loaded in {time.time() - t0:.0f} s", flush=True)
     result = {"layers": args.layers}
     g = torch.Generator(device="cuda").manual_seed(1)
+    # GPU memory around the first Triton forward: the kernel layout is built, the checkpoint tensors
+    # move to host memory (dispatch.kernel_weights), so the accelerator should not grow by the weights.
+    packed = sum(b.numel() * b.element_size() for n, b in qmodel.named_buffers()
+                 if n.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales"))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    logits(qmodel, torch.randint(0, 32000, (1, 1), device="cuda", generator=g), "triton")
+    torch.cuda.synchronize()
+    result["packed_weight_mb"] = packed / 1e6
+    result["gpu_mb_change_first_forward"] = (torch.cuda.memory_allocated() - before) / 1e6
+    print(f"packed weights {packed / 1e6:.1f} MB; GPU memory change over the first forward "
+          f"{result['gpu_mb_change_first_forward']:+.1f} MB", flush=True)
     for t in (1, 17):
         ids = torch.randint(0, 32000, (1, t), device="cuda", generator=g)
         ref, out = logits(qmodel, ids, "reference"), logits(qmodel, ids, "triton")

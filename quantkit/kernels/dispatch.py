@@ -104,13 +104,24 @@ def split_k_for(tiles: int, k_steps: int, device: torch.device, programs_per_sm:
     return split
 
 
-def kernel_weights(layer: torch.nn.Module) -> KernelWeights:
-    """The layer's weights in the kernel layout, made at the first call and kept on the layer."""
-    kw = getattr(layer, "_kernel_weights", None)
+def kernel_weights(layer: torch.nn.Module, device: torch.device | None = None, offload: bool | None = None) -> KernelWeights:
+    """The layer's weights in the kernel layout on `device`, made at the first call and kept on the layer.
+
+    The kernel layout holds the same bytes as the checkpoint tensors, so keeping both would double the
+    weight memory. With `offload` (default: on CUDA) the checkpoint tensors move to host memory once the
+    kernel layout exists: the state dict stays complete and the reference path still works (it
+    dequantizes on the host), while the accelerator holds one copy of the weight.
+    """
     ref = layer.qweight if layer.layout == "awq" else layer.weight_packed
-    if kw is None or kw.qweight.device != ref.device:
+    device = ref.device if device is None else device
+    kw = getattr(layer, "_kernel_weights", None)
+    if kw is None or kw.qweight.device != device:
+        if ref.device != device:  # the checkpoint tensors were offloaded: repack them on `device`
+            layer.to(device)
         kw = from_module(layer)
         layer._kernel_weights = kw
+        if offload if offload is not None else device.type == "cuda":
+            layer.offload_checkpoint_tensors()
     return kw
 
 
@@ -133,7 +144,7 @@ def run(x2d: torch.Tensor, kw: KernelWeights, bias: torch.Tensor | None, choice:
 
 def quant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """y = x Wᵀ + b for a QuantLinear-like layer, on the kernel the table picks for its bits and M."""
-    kw = kernel_weights(layer)
+    kw = kernel_weights(layer, x.device)
     shape = x.shape
     x2d = x.reshape(-1, shape[-1])
     bias = None if layer.bias is None else layer.bias

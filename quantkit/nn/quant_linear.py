@@ -76,6 +76,20 @@ class QuantLinear(nn.Module):
         self.cache_dequantized = False
         self._cached_weight: torch.Tensor | None = None
 
+    def offload_checkpoint_tensors(self) -> None:
+        """Move the packed checkpoint tensors (not the bias) to host memory.
+
+        Called by the kernel dispatch once it has repacked them into the layout its kernels read
+        (kept on the layer as `_kernel_weights`), so the accelerator holds one copy of the weight.
+        The state dict keeps every tensor; the reference path dequantizes on the host.
+        """
+        names = ("qweight", "qzeros", "scales") if self.layout == "awq" else ("weight_packed", "weight_scale", "weight_zero_point")
+        for name in names:
+            t = self._buffers.get(name)
+            if t is not None and t.device.type != "cpu":
+                self._buffers[name] = t.cpu()
+        self._cached_weight = None
+
     def dequantized_weight(self) -> torch.Tensor:
         """W [out, in] in float32 (the reference the kernels are tested against)."""
         if self.layout == "awq":
@@ -92,7 +106,7 @@ class QuantLinear(nn.Module):
             return dispatch.quant_linear(x, self)
         weight = self._cached_weight if self.cache_dequantized else None
         if weight is None or weight.dtype != x.dtype or weight.device != x.device:
-            weight = self.dequantized_weight().to(x.dtype)
+            weight = self.dequantized_weight().to(device=x.device, dtype=x.dtype)
             if self.cache_dequantized:
                 self._cached_weight = weight
         return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))

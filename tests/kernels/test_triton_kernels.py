@@ -126,6 +126,35 @@ def test_quant_linear_forward_on_triton_path(monkeypatch):
     assert dispatch.kernel_weights(layer) is layer._kernel_weights  # repacked once, then reused
 
 
+def test_checkpoint_tensors_offloaded_once_repacked(monkeypatch):
+    """On CUDA the dispatch keeps only the kernel layout on the device; here the same steps on the CPU."""
+    from quantkit.kernels import dispatch
+    from quantkit.nn import QuantLinear
+
+    layer = QuantLinear(128, 40, 4, 32, layout="packed")
+    g = torch.Generator().manual_seed(5)
+    t = pack_compressed(torch.randint(0, 16, (40, 128), generator=g), torch.randint(0, 16, (40, 4), generator=g),
+                        (torch.rand(40, 4, generator=g) * 0.02 + 0.002).half(), 4, False)
+    for name, value in t.items():
+        if name in layer._buffers:
+            layer._buffers[name].copy_(value)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    calls, offload = [], QuantLinear.offload_checkpoint_tensors
+    monkeypatch.setattr(QuantLinear, "offload_checkpoint_tensors", lambda self: calls.append(self) or offload(self))
+    x = torch.randn(2, 128).half()
+    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    ref = layer(x)
+    kw = dispatch.kernel_weights(layer, torch.device("cpu"), offload=True)
+    assert calls == [layer]
+    assert dispatch.kernel_weights(layer, torch.device("cpu"), offload=True) is kw and calls == [layer]  # once
+    after = layer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
+    assert rel(layer(x), ref) <= TOL
+    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    assert torch.equal(layer(x), ref)  # the reference path still reads the (offloaded) checkpoint tensors
+
+
 def test_dispatch_table_can_be_replaced():
     from quantkit.kernels import dispatch
 
