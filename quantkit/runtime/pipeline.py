@@ -33,8 +33,16 @@ class GenerationConfig:
 class Pipeline:
     """Callable over a list of prompts; applies the tokenizer's chat template when it has one."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, chat_template: Optional[bool] = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any, chat_template: Optional[bool] = None,
+        cuda_graphs: Optional[bool] = None,
+    ) -> None:
+        """`cuda_graphs` (default: on CUDA with the plain KV cache) decodes over a static cache with each
+        step replayed from a CUDA graph (quantkit.runtime.decode); otherwise `model.generate` runs."""
+        from quantkit.runtime.decode import graphs_available
+
         self.model, self.tokenizer = model, tokenizer
+        self.cuda_graphs = graphs_available(model) if cuda_graphs is None else cuda_graphs
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat_template is None else chat_template
@@ -61,16 +69,25 @@ class Pipeline:
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not self.use_chat)
         device = next(self.model.parameters()).device
         enc = {k: v.to(device) for k, v in enc.items()}
-        kwargs: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "pad_token_id": tok.pad_token_id}
-        if cfg.temperature > 0:
-            kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if cfg.stop:
-            kwargs.update(stop_strings=list(cfg.stop), tokenizer=tok)
-        out = self.model.generate(**enc, **kwargs)
-        prompt_len = enc["input_ids"].shape[1]
         eos = set(_as_list(getattr(self.model.generation_config, "eos_token_id", None))) | {tok.eos_token_id}
+        if self.cuda_graphs:
+            from quantkit.runtime.decode import Sampling, generate
+
+            out = generate(
+                self.model, enc["input_ids"], enc["attention_mask"], cfg.max_new_tokens,
+                Sampling(cfg.temperature, cfg.top_p, cfg.top_k), tuple(e for e in eos if e is not None),
+                tok.pad_token_id, use_graph=True,
+            )
+        else:
+            kwargs: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "pad_token_id": tok.pad_token_id}
+            if cfg.temperature > 0:
+                kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
+            else:
+                kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            if cfg.stop:
+                kwargs.update(stop_strings=list(cfg.stop), tokenizer=tok)
+            out = self.model.generate(**enc, **kwargs)
+        prompt_len = enc["input_ids"].shape[1]
         return [self._response(enc["attention_mask"][i], out[i, prompt_len:], eos, cfg) for i in range(len(texts))]
 
     def _response(self, mask: torch.Tensor, new_ids: torch.Tensor, eos: set, cfg: GenerationConfig) -> Response:
@@ -93,9 +110,14 @@ def _as_list(x: Any) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def pipeline(path: Union[str, Path], kv_bits: Optional[int] = None, device: Optional[str] = None, **load_kwargs: Any) -> Pipeline:
-    """Load a checkpoint and return a `Pipeline`: ``pipeline(path)(["Hi", "上海是"])`` → [Response, …]."""
+def pipeline(
+    path: Union[str, Path], kv_bits: Optional[int] = None, device: Optional[str] = None,
+    cuda_graphs: Optional[bool] = None, **load_kwargs: Any,
+) -> Pipeline:
+    """Load a checkpoint and return a `Pipeline`: ``pipeline(path)(["Hi", "上海是"])`` → [Response, …].
+
+    `cuda_graphs` is passed to `Pipeline` (default: on for CUDA with the plain KV cache)."""
     from quantkit.runtime.loader import load
 
     model, tok = load(path, device=device, kv_bits=kv_bits, **load_kwargs)
-    return Pipeline(model, tok)
+    return Pipeline(model, tok, cuda_graphs=cuda_graphs)
