@@ -15,16 +15,24 @@ from quantkit.quantize.primitives import QuantizedWeight
 
 
 def packed_tensors(qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
-    """Packed tensors for every quantized linear, named `<module>.<tensor>` as the format wants."""
+    """Packed tensors for every quantized linear, named `<module>.<tensor>` as the format wants.
+
+    The bit packing runs on the accelerator when there is one (`config.device`, else CUDA when
+    present): on a 7B model it is about 35 s of host time and well under a second there."""
     out: dict[str, torch.Tensor] = {}
     fmt = config.resolved_format
+    if config.device:
+        device = torch.device(config.device)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name, qw in qweights.items():
+        q, zeros, scales = (None if t is None else t.to(device) for t in (qw.q, qw.zeros, qw.scales))
         if fmt == "awq":
-            packed = awq_gemm.pack_awq_gemm(qw.q, qw.zeros, qw.scales)
+            packed = awq_gemm.pack_awq_gemm(q, zeros, scales)
         else:
-            packed = compressed_tensors.pack_compressed(qw.q, qw.zeros, qw.scales, qw.bits, config.weight.symmetric)
+            packed = compressed_tensors.pack_compressed(q, zeros, scales, qw.bits, config.weight.symmetric)
         for key, t in packed.items():
-            out[f"{name}.{key}"] = t
+            out[f"{name}.{key}"] = t.cpu()
     return out
 
 
