@@ -244,6 +244,9 @@ def awq(
         None, "--duo-scaling/--no-duo-scaling", help="Divide the scales by the weights' own magnitude too (default: on)."),
     max_shrink: float | None = typer.Option(None, "--max-shrink", help="Smallest clip range, as a fraction of the max (default: 0.5)."),
     no_clip: bool = typer.Option(False, "--no-clip", help="Skip the clip search."),
+    rounding: str | None = typer.Option(
+        None, "--rounding", help="Integer codes under the searched scales: gptq (error feedback through the inputs' "
+        "Gram matrix, better quality, slower) or nearest (the reference tools' rounding) (default: gptq)."),
     batch_size: int | None = typer.Option(None, "--batch-size", help="Windows per forward: bounds activation memory (default: 8)."),
     device: str | None = typer.Option(None, "--device", help="Where blocks are calibrated: cuda, cuda:1, cpu (default: cuda when present)."),
     fmt: str | None = FORMAT,
@@ -256,7 +259,7 @@ def awq(
         "weight.bits": w_bits, "weight.group_size": group_size, "calib.dataset": calib_dataset,
         "calib.samples": calib_samples, "calib.seqlen": calib_seqlen, "calib.seed": seed, "calib.data_dir": data_dir,
         "calib.batch_size": batch_size, "awq.n_grid": n_grid, "awq.duo_scaling": duo_scaling,
-        "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None})
+        "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None, "awq.rounding": rounding})
 
 
 def main() -> None:

@@ -99,3 +99,17 @@ def test_named_dataset_offline_without_local_copy(tiny_models, tmp_path, monkeyp
     assert_one_line_error(code, err, "wiki2.valid.txt", "--data-dir")
     assert not (tmp_path / "o").exists()
     data._hub_reachable.cache_clear()
+
+
+def test_awq_rounding_flag(tiny_models, text_file, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(["awq", str(tiny_models["llama"]), "--rounding", "floor", "--work-dir", str(tmp_path / "o")],
+                           monkeypatch, capsys)
+    assert_one_line_error(code, err, "rounding", "nearest or gptq")
+    assert not (tmp_path / "o").exists()
+    out = tmp_path / "n"
+    code, _, _ = run_cli(["awq", str(tiny_models["llama"]), "--rounding", "nearest", "--calib-dataset", str(text_file), "--calib-samples", "2", "--calib-seqlen", "16",
+                          "--group-size", "32", "--n-grid", "2", "--no-clip", "--device", "cpu", "--quiet",
+                          "--work-dir", str(out)], monkeypatch, capsys)
+    assert code in (0, None)
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["config"]["awq"]["rounding"] == "nearest"
