@@ -76,6 +76,10 @@ class QuantLinear(nn.Module):
         self.cache_dequantized = False
         self._cached_weight: torch.Tensor | None = None
 
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(), …: the kernel layout is rebuilt lazily
+        self.__dict__.pop("_kernel_weights", None)
+        return super()._apply(fn, recurse)
+
     def offload_checkpoint_tensors(self) -> None:
         """Move the packed checkpoint tensors (not the bias) to host memory.
 
