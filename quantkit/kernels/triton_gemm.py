@@ -55,13 +55,9 @@ def _load_words(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: tl
 
 
 @triton.jit
-def _load_blocks(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: tl.constexpr,
-                 PER_WORD: tl.constexpr, BLOCKS: tl.constexpr, HALF: tl.constexpr):
-    """The same tile as [BN, BLOCKS, 4] with one scale and zero per block (the swapped path's shape)."""
-    blk = w0 + tl.arange(0, BLOCKS) * 4
-    words = blk[:, None] + tl.arange(0, 4)[None, :]
-    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + words[None, :, :],
-                 mask=n_ok[:, None, None] & (blk < hi)[None, :, None], other=0)
+def _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size: tl.constexpr, PER_WORD: tl.constexpr,
+                  HALF: tl.constexpr):
+    """Scale and bias + zero [BN, BLOCKS] of the blocks starting at words `blk` (a block lies in one group)."""
     sz = offs_n[:, None] * G + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
     s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
     z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
@@ -70,6 +66,18 @@ def _load_blocks(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: t
     else:
         zb = (z + 8388608).to(tl.float32)
         s = s.to(tl.float32)
+    return zb, s
+
+
+@triton.jit
+def _load_blocks(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: tl.constexpr,
+                 PER_WORD: tl.constexpr, BLOCKS: tl.constexpr, HALF: tl.constexpr):
+    """The same tile as [BN, BLOCKS, 4] with one scale and zero per block (the swapped path's shape)."""
+    blk = w0 + tl.arange(0, BLOCKS) * 4
+    words = blk[:, None] + tl.arange(0, 4)[None, :]
+    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + words[None, :, :],
+                 mask=n_ok[:, None, None] & (blk < hi)[None, :, None], other=0)
+    zb, s = _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size, PER_WORD, HALF)
     return wt, zb[:, :, None], s[:, :, None]
 
 
@@ -146,14 +154,7 @@ def dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, K8, G, group_size: tl.con
     ok = n_ok[:, None, None] & (blk < K8)[None, :, None]
     wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + words, mask=ok, other=0)
     q = (wt >> (BITS * (c // 4))[None, None, :]) & ((1 << BITS) - 1)
-    sz = offs_n[:, None] * G + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
-    s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
-    z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
-    if HALF:
-        zb = (z + 1024).to(tl.float16)
-    else:
-        zb = (z + 8388608).to(tl.float32)
-        s = s.to(tl.float32)
+    zb, s = _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size, PER_WORD, HALF)
     w = _dequant_values(q, zb[:, :, None], s[:, :, None], HALF, dtype)
     offs_k = blk[:, None] * PER_WORD + c[None, :]
     rows = out_ptr + offs_n.to(tl.int64)[:, None, None] * K
