@@ -15,10 +15,13 @@ check it against `model.generate` on the CPU.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,15 @@ class StaticDecoder:
         if not self.use_graph or self.steps == 1:  # eager; on the GPU the first step also warms up the kernels
             return self._forward(self.ids, self.positions, self.cache_position)
         if self.graph is None:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.graph_logits = self._forward(self.ids, self.positions, self.cache_position)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.graph_logits = self._forward(self.ids, self.positions, self.cache_position)
+            except RuntimeError as exc:  # a forward that cannot be captured (a host sync inside): stay eager
+                log.warning("CUDA-graph capture failed, decoding eagerly: %s", str(exc).splitlines()[0])
+                self.use_graph = False
+                return self._forward(self.ids, self.positions, self.cache_position)
+            self.graph = graph
         self.graph.replay()
         return self.graph_logits
 
