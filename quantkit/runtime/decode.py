@@ -168,6 +168,14 @@ def generate(
     return torch.cat(out, dim=1)
 
 
+def fits_static_cache(model: Any, total_len: int) -> bool:
+    """Whether `total_len` tokens fit this loop: a sliding-window model's static cache rolls over past
+    its window, which the loop's absolute-slot mask does not follow (`generate` handles that case)."""
+    window = getattr(model.config, "sliding_window", None)
+    uses_window = getattr(model.config, "use_sliding_window", True) is not False
+    return not (isinstance(window, int) and uses_window and total_len > window)
+
+
 def graphs_available(model: Any) -> bool:
     """CUDA-graph decoding applies to a model on CUDA with the plain (unquantized) KV cache."""
     try:

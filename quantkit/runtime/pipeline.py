@@ -8,6 +8,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from quantkit.runtime.decode import Sampling, fits_static_cache, generate, graphs_available
+
 
 @dataclass
 class Response:
@@ -39,8 +41,6 @@ class Pipeline:
     ) -> None:
         """`cuda_graphs` (default: on CUDA with the plain KV cache) decodes over a static cache with each
         step replayed from a CUDA graph (quantkit.runtime.decode); otherwise `model.generate` runs."""
-        from quantkit.runtime.decode import graphs_available
-
         self.model, self.tokenizer = model, tokenizer
         self.cuda_graphs = graphs_available(model) if cuda_graphs is None else cuda_graphs
         if tokenizer.pad_token_id is None:
@@ -70,9 +70,7 @@ class Pipeline:
         device = next(self.model.parameters()).device
         enc = {k: v.to(device) for k, v in enc.items()}
         eos = set(_as_list(getattr(self.model.generation_config, "eos_token_id", None))) | {tok.eos_token_id}
-        if self.cuda_graphs:
-            from quantkit.runtime.decode import Sampling, generate
-
+        if self.cuda_graphs and fits_static_cache(self.model, enc["input_ids"].shape[1] + cfg.max_new_tokens):
             out = generate(
                 self.model, enc["input_ids"], enc["attention_mask"], cfg.max_new_tokens,
                 Sampling(cfg.temperature, cfg.top_p, cfg.top_k), tuple(e for e in eos if e is not None),

@@ -78,3 +78,14 @@ def test_pipeline_static_loop_matches_generate(tiny_models, tmp_path):
     a = Pipeline(model, tok, cuda_graphs=False)(prompts, max_new_tokens=7)
     b = Pipeline(model, tok, cuda_graphs=True)(prompts, max_new_tokens=7)  # on the CPU: the same loop, eager
     assert [(r.text, r.generated_tokens, r.finish_reason) for r in a] == [(r.text, r.generated_tokens, r.finish_reason) for r in b]
+
+
+def test_sliding_window_beyond_its_window_uses_generate():
+    from quantkit.runtime.decode import fits_static_cache
+
+    model = make_tiny_model("mistral")
+    model.config.sliding_window = 16
+    assert fits_static_cache(model, 16) and not fits_static_cache(model, 17)
+    model.config.use_sliding_window = False  # Qwen2-style switch: the window is not used
+    assert fits_static_cache(model, 17)
+    assert fits_static_cache(make_tiny_model("llama"), 10_000)
