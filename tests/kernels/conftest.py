@@ -47,4 +47,8 @@ def _patch_interpreter() -> None:
 def triton_interpreter():
     """Skip kernel tests where Triton is not installed; patch its interpreter where it is."""
     pytest.importorskip("triton")
+    from quantkit.kernels.triton_gemv import gemv_kernel
+
+    # The kernels must have been decorated after TRITON_INTERPRET was set, or the tests would try a GPU.
+    assert type(gemv_kernel).__name__ == "InterpretedFunction", "a kernel module was imported before conftest"
     _patch_interpreter()
