@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.triton_layout import KernelWeights
-from quantkit.kernels.triton_splitk import clamp_split, counters, store_tile, workspace
+from quantkit.kernels.triton_splitk import launch_buffers, store_tile
 
 
 @triton.jit
@@ -35,29 +35,10 @@ def _dequant_plane(wt, j, zb, s, BITS: tl.constexpr, HALF: tl.constexpr, dtype: 
 
 
 @triton.jit
-def _load_words(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: tl.constexpr,
-                PER_WORD: tl.constexpr, TILE_W: tl.constexpr, HALF: tl.constexpr):
-    """A [BN, TILE_W] tile of words from word w0 on, with each word's scale and bias + zero."""
-    offs_i = tl.arange(0, TILE_W)
-    words = w0 + offs_i
-    ok = n_ok[:, None] & (words < hi)[None, :]
-    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K8 + words[None, :], mask=ok, other=0)
-    # Four consecutive words form a block of one group: 4·(32/b) inputs, and 32 divides every group.
-    sz = offs_n[:, None] * G + tl.minimum((w0 + (offs_i // 4) * 4) * PER_WORD // group_size, G - 1)[None, :]
-    s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
-    z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
-    if HALF:
-        zb = (z + 1024).to(tl.float16)
-    else:
-        zb = (z + 8388608).to(tl.float32)
-        s = s.to(tl.float32)
-    return wt, zb, s
-
-
-@triton.jit
 def _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size: tl.constexpr, PER_WORD: tl.constexpr,
                   HALF: tl.constexpr):
-    """Scale and bias + zero [BN, BLOCKS] of the blocks starting at words `blk` (a block lies in one group)."""
+    """Scale and bias + zero [BN, len(blk)] of the 4-word blocks starting at words `blk` (a block lies in one
+    group; a word tile passes each word's block start)."""
     sz = offs_n[:, None] * G + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
     s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
     z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
@@ -67,6 +48,19 @@ def _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size: tl.constexpr, 
         zb = (z + 8388608).to(tl.float32)
         s = s.to(tl.float32)
     return zb, s
+
+
+@triton.jit
+def _load_words(w_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, hi, K8, G, group_size: tl.constexpr,
+                PER_WORD: tl.constexpr, TILE_W: tl.constexpr, HALF: tl.constexpr):
+    """A [BN, TILE_W] tile of words from word w0 on, with each word's scale and bias + zero."""
+    offs_i = tl.arange(0, TILE_W)
+    words = w0 + offs_i
+    ok = n_ok[:, None] & (words < hi)[None, :]
+    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * K8 + words[None, :], mask=ok, other=0)
+    # Four consecutive words form a block of one group: 4·(32/b) inputs, and 32 divides every group.
+    zb, s = _block_scales(s_ptr, z_ptr, offs_n, n_ok, w0 + (offs_i // 4) * 4, G, group_size, PER_WORD, HALF)
+    return wt, zb, s
 
 
 @triton.jit
@@ -176,20 +170,13 @@ def gemm(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) in x's dtype (fp16 or bf16) on tensor cores."""
+    tiles = triton.cdiv(x.shape[0], block_m) * triton.cdiv(kw.out_features, block_n)
+    x, out, split_k, ws, cnt = launch_buffers(x, kw, out, split_k, blocks, tiles)
     m, k = x.shape
-    n = kw.out_features
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    k8, g = kw.qweight.shape[1], kw.scales.shape[1]
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split_k = clamp_split(max(1, min(split_k, triton.cdiv(k8, 4 * blocks))), m, n)
-    ws = workspace(split_k, m, n, x.device)
-    cnt = counters(x.device, tiles)
     gemm_kernel[(tiles, split_k)](
         x, kw.qweight, kw.scales, kw.zeros, bias if bias is not None else out, out, ws, cnt,
-        m, n, k, k8, g, x.stride(0), out.stride(0), group_size=kw.group_size,
+        m, kw.out_features, k, kw.qweight.shape[1], kw.scales.shape[1], x.stride(0), out.stride(0),
+        group_size=kw.group_size,
         BITS=kw.bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k, SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages,
     )

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.triton_layout import KernelWeights
-from quantkit.kernels.triton_splitk import clamp_split, counters, store_tile, workspace
+from quantkit.kernels.triton_splitk import launch_buffers, store_tile
 
 
 @triton.jit
@@ -110,21 +110,13 @@ def gemv(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) in x's dtype; one program per (row, column tile, K slice)."""
+    n_tiles = triton.cdiv(kw.out_features, block_n)
+    x, out, split_k, ws, cnt = launch_buffers(x, kw, out, split_k, blocks, x.shape[0] * n_tiles)
     m, k = x.shape
-    n = kw.out_features
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    k8, g = kw.qweight.shape[1], kw.scales.shape[1]
-    n_tiles = triton.cdiv(n, block_n)
-    split_k = clamp_split(max(1, min(split_k, triton.cdiv(k8, 4 * blocks))), m, n)
-    ws = workspace(split_k, m, n, x.device)
-    cnt = counters(x.device, m * n_tiles)
-    grid = (m, n_tiles, split_k)
-    gemv_kernel[grid](
+    gemv_kernel[(m, n_tiles, split_k)](
         x, kw.qweight, kw.scales, kw.zeros, bias if bias is not None else out, out, ws, cnt,
-        m, n, k, k8, g, x.stride(0), out.stride(0), group_size=kw.group_size,
+        m, kw.out_features, k, kw.qweight.shape[1], kw.scales.shape[1], x.stride(0), out.stride(0),
+        group_size=kw.group_size,
         BITS=kw.bits, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k, SPLIT=split_k > 1,
         HAS_BIAS=bias is not None, DENORMAL=denormal, NUM_STAGES=num_stages, num_warps=num_warps,
         num_stages=num_stages,

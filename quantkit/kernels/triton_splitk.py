@@ -40,6 +40,19 @@ def workspace(split_k: int, m: int, n: int, device: torch.device) -> torch.Tenso
     return torch.empty(split_k, m, n, dtype=torch.float32, device=device)
 
 
+def launch_buffers(x: torch.Tensor, kw, out: torch.Tensor | None, split_k: int, blocks: int, tiles: int):
+    """What a kernel launch over `tiles` output tiles needs besides the weights: x with unit column
+    stride, the output [M, N] (allocated unless given), split-K bounded by the K steps of 4·`blocks`
+    words and by int32 offsets, its workspace, and the tile counters."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], kw.out_features
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    split_k = clamp_split(max(1, min(split_k, triton.cdiv(kw.qweight.shape[1], 4 * blocks))), m, n)
+    return x, out, split_k, workspace(split_k, m, n, x.device), counters(x.device, tiles)
+
+
 @triton.jit
 def _write(acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
