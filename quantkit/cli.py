@@ -144,6 +144,16 @@ DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: cuda when pr
 AS_JSON = typer.Option(False, "--json", help="Print the results as JSON instead of a table.")
 
 
+def _print_result(result, as_json: bool) -> None:
+    """An evaluation result as JSON on stdout, or as the table."""
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        from quantkit.eval.report import print_table
+
+        print_table(result)
+
+
 @eval_app.command("ppl")
 def eval_ppl(
     models: list[str] = typer.Argument(..., help="HF model directories, .gguf files or quantkit checkpoints."),
@@ -161,15 +171,11 @@ def eval_ppl(
 ) -> None:
     """Perplexity of each model: whole text tokenized once, non-overlapping windows, mean NLL of every token."""
     from quantkit.eval.compare import evaluate_models
-    from quantkit.eval.report import print_table
 
     _setup_logging(quiet or as_json)
     result = evaluate_models(models, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, kv_stats, device,
                              progress=not (quiet or as_json))
-    if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
-    else:
-        print_table(result)
+    _print_result(result, as_json)
 
 
 @app.command()
@@ -190,16 +196,12 @@ def compare(
 ) -> None:
     """Compare checkpoints with their fp model: size, perplexity, Δ %, next-token top-1 agreement."""
     from quantkit.eval.compare import compare as run_compare
-    from quantkit.eval.report import print_table
 
     _setup_logging(quiet or as_json)
     result = run_compare(fp_model, checkpoints, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, device,
                          output, progress=not (quiet or as_json))
-    if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    print_table(result)
-    if output is not None:
+    _print_result(result, as_json)
+    if output is not None and not as_json:
         typer.echo(f"wrote {output} and {output.with_suffix('.png')}")
 
 

@@ -18,14 +18,16 @@ AWQ_NIBBLE_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)
 _AWQ_COLUMN_NIBBLE = tuple(AWQ_NIBBLE_COLUMN.index(j) for j in range(8))
 
 
-def _awq_ints(packed: torch.Tensor) -> torch.Tensor:
+def awq_ints(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ int32 [rows, cols/8] → int32 [rows, cols] in column order."""
     rows, words = packed.shape
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     nib = (packed.unsqueeze(-1) >> shifts) & 0xF
     return nib[:, :, list(_AWQ_COLUMN_NIBBLE)].reshape(rows, words * 8)
 
 
-def _seq_ints(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+def seq_ints(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int32 [rows, words] with b-bit values packed sequentially → int32 [rows, n]."""
     per_word = 32 // bits
     shifts = torch.arange(0, bits * per_word, bits, dtype=torch.int32, device=packed.device)
     v = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
@@ -34,10 +36,18 @@ def _seq_ints(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """W [out, in] in float32 from the AWQ gemm tensors."""
-    q = _awq_ints(qweight)  # [in, out]
-    z = _awq_ints(qzeros).repeat_interleave(group_size, dim=0)
+    q = awq_ints(qweight)  # [in, out]
+    z = awq_ints(qzeros).repeat_interleave(group_size, dim=0)
     s = scales.repeat_interleave(group_size, dim=0)
     return ((q - z).float() * s.float()).t()
+
+
+def packed_zero_points(weight_zero_point: torch.Tensor | None, weight_scale: torch.Tensor, bits: int,
+                       out_features: int) -> torch.Tensor:
+    """Zero points int32 [out, groups]: unpacked along the output dimension, or 2^(b−1) when symmetric."""
+    if weight_zero_point is None:
+        return torch.full(weight_scale.shape, 2 ** (bits - 1), dtype=torch.int32, device=weight_scale.device)
+    return seq_ints(weight_zero_point.t().contiguous(), bits, out_features).t()
 
 
 def dequantize_packed(
@@ -50,12 +60,8 @@ def dequantize_packed(
     group_size: int,
 ) -> torch.Tensor:
     """W [out, in] in float32 from pack-quantized tensors (zero 2^(b−1) when symmetric)."""
-    q = _seq_ints(weight_packed, bits, in_features)
-    if weight_zero_point is None:
-        z = torch.full_like(weight_scale, 2 ** (bits - 1), dtype=torch.int32)
-    else:
-        z = _seq_ints(weight_zero_point.t().contiguous(), bits, out_features).t()
-    z = z.repeat_interleave(group_size, dim=1)
+    q = seq_ints(weight_packed, bits, in_features)
+    z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).repeat_interleave(group_size, dim=1)
     s = weight_scale.repeat_interleave(group_size, dim=1)
     return (q - z).float() * s.float()
 

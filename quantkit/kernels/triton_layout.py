@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-AWQ_NIBBLE_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)
+from quantkit.kernels.reference import awq_ints, packed_zero_points, seq_ints
+
 BLOCK_WORDS = 4
 
 
@@ -36,22 +37,6 @@ class KernelWeights:
     def nbytes(self) -> int:
         """Bytes a kernel reads for the weight: packed integers, scales and zeros."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
-
-
-def _unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """int32 [rows, words] with values packed sequentially → int32 [rows, n]."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    v = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return v.reshape(packed.shape[0], -1)[:, :n]
-
-
-def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """AWQ int32 [rows, cols/8] → int32 [rows, cols] in column order."""
-    v = _unpack_rows(packed, 4, packed.shape[1] * 8).reshape(packed.shape[0], -1, 8)
-    out = torch.empty_like(v)
-    out[:, :, list(AWQ_NIBBLE_COLUMN)] = v
-    return out.reshape(packed.shape[0], -1)
 
 
 def pack_block_planar(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -74,7 +59,7 @@ def unpack_block_planar(qweight: torch.Tensor, bits: int, k: int) -> torch.Tenso
     """The inverse of `pack_block_planar` (for tests): int32 [N, K]."""
     per_word = 32 // bits
     n = qweight.shape[0]
-    v = _unpack_rows(qweight, bits, qweight.shape[1] * per_word)
+    v = seq_ints(qweight, bits, qweight.shape[1] * per_word)
     v = v.reshape(n, -1, BLOCK_WORDS, per_word).transpose(2, 3).reshape(n, -1)
     return v[:, :k]
 
@@ -82,8 +67,8 @@ def unpack_block_planar(qweight: torch.Tensor, bits: int, k: int) -> torch.Tenso
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> KernelWeights:
     """Kernel layout from AutoAWQ gemm tensors (4-bit)."""
     k, n = qweight.shape[0], scales.shape[1]
-    q = _unpack_awq(qweight).t()  # [N, K]
-    z = _unpack_awq(qzeros).t()  # [N, G]
+    q = awq_ints(qweight).t()  # [N, K]
+    z = awq_ints(qzeros).t()  # [N, G]
     return KernelWeights(
         qweight=pack_block_planar(q, 4),
         scales=scales.t().contiguous().to(torch.float16),
@@ -102,11 +87,8 @@ def from_packed(
     group_size: int,
 ) -> KernelWeights:
     """Kernel layout from compressed-tensors pack-quantized tensors (4 or 8 bits)."""
-    q = _unpack_rows(weight_packed, bits, in_features)
-    if weight_zero_point is None:
-        z = torch.full(weight_scale.shape, 2 ** (bits - 1), dtype=torch.uint8, device=weight_scale.device)
-    else:
-        z = _unpack_rows(weight_zero_point.t().contiguous(), bits, out_features).t().to(torch.uint8)
+    q = seq_ints(weight_packed, bits, in_features)
+    z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).to(torch.uint8)
     return KernelWeights(
         qweight=pack_block_planar(q, bits),
         scales=weight_scale.to(torch.float16).contiguous(),
