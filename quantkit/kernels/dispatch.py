@@ -114,13 +114,14 @@ def kernel_weights(layer: torch.nn.Module, device: torch.device | None = None, o
     """
     ref = layer.qweight if layer.layout == "awq" else layer.weight_packed
     device = ref.device if device is None else device
+    offload = device.type == "cuda" if offload is None else offload
     kw = getattr(layer, "_kernel_weights", None)
     if kw is None or kw.qweight.device != device:
         if ref.device != device:  # the checkpoint tensors were offloaded: repack them on `device`
             layer.to(device)
         kw = from_module(layer)
         layer._kernel_weights = kw
-        if offload if offload is not None else device.type == "cuda":
+        if offload:
             layer.offload_checkpoint_tensors()
     return kw
 
