@@ -54,21 +54,21 @@ def launch_buffers(x: torch.Tensor, kw, out: torch.Tensor | None, split_k: int, 
 
 
 @triton.jit
-def _write(acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
+def _write(acc, om, on, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :].to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(bias_ptr + on, mask=on < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + om * stride_om + on, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, tile_id, pid_k,
-               SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Write the fp32 tile `acc` [BM, BN] to out, through the split-K workspace when SPLIT (K > 1)."""
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+def _finish(acc, om, on, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, tile_id, pid_k,
+            SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write fp32 values `acc` at output rows `om`, columns `on` (broadcast to acc's shape)."""
+    mask = (om < M) & (on < N)
     if not SPLIT:
-        _write(acc, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
+        _write(acc, om, on, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
     else:
-        ws_off = offs_m[:, None] * N + offs_n[None, :]
+        ws_off = om * N + on
         slice_size = M * N  # int32: the launcher keeps split_k·M·N below 2^31
         tl.store(ws_ptr + pid_k * slice_size + ws_off, acc, mask=mask)
         # Every thread's partial is stored before the one release below publishes the tile.
@@ -78,5 +78,21 @@ def store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, 
             total = tl.zeros_like(acc)
             for s in range(SPLIT_K):
                 total += tl.load(ws_ptr + s * slice_size + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-            _write(total, offs_m, offs_n, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
+            _write(total, om, on, N, mask, out_ptr, stride_om, bias_ptr, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def store_tile(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, tile_id, pid_k,
+               SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write the fp32 tile `acc` [BM, BN] to out, through the split-K workspace when SPLIT (K > 1)."""
+    _finish(acc, offs_m[:, None], offs_n[None, :], M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr,
+            tile_id, pid_k, SPLIT_K, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def store_points(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, tile_id, pid_k,
+                 SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write fp32 values `acc` [P] to the output elements (offs_m[i], offs_n[i]), as store_tile does."""
+    _finish(acc, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, tile_id, pid_k,
+            SPLIT_K, SPLIT, HAS_BIAS)

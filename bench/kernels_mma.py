@@ -1,0 +1,154 @@
+"""The tensor-core GEMV (quantkit/kernels/triton_mma.py) on the GPU: correctness, then a timing sweep.
+
+    PYTHONPATH=. python bench/kernels_mma.py --out DIR [--quick]
+
+Correctness: every configuration family (bits, fp16/bf16, one or two column tiles, 1 or 2 tiles per
+step, 4 or 8 warps, split-K, bias, K not a multiple of 128, N not a multiple of 16) against the
+fp32 reference on random weights and inputs, output poisoned with NaN before each run.
+Timing: the four Llama-2-7B linears, M in {1, 2, 4, 8, 16} (W4 g128) and {1, 16} (W8 per channel),
+every (warps, tiles, split-K) configuration, beside fp16 F.linear and the current dispatch choice,
+CUDA-graph replay medians over a ring of weight buffers. Writes DIR/mma.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.kernel_candidates import SHAPES, random_kw
+from bench.kernel_timing import graph_us, rel_err, ring_size
+from quantkit.kernels import dispatch, triton_mma
+from quantkit.kernels.triton_mma import MmaWeights
+
+
+def random_mw(k: int, n: int, bits: int, group_size: int) -> MmaWeights:
+    """Random weights already in the mma layout."""
+    gs = k if group_size == -1 else group_size
+    g = -(-k // gs)
+    words = -(-k // 128) * 128 * bits // 32
+    return MmaWeights(
+        qweight=torch.randint(-(2**31), 2**31 - 1, (n, words), dtype=torch.int32, device="cuda"),
+        scales=(torch.rand(n, g, device="cuda") * 0.01 + 0.001).half(),
+        zeros=torch.randint(0, 2**bits, (n, g), dtype=torch.uint8, device="cuda"),
+        bits=bits, group_size=gs, in_features=k, out_features=n,
+    )
+
+
+def reference(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None) -> torch.Tensor:
+    q = triton_mma.unpack_mma(mw.qweight, mw.bits, mw.in_features).float()
+    g = torch.arange(mw.in_features, device=x.device) // mw.group_size
+    w = (q - mw.zeros.float()[:, g]) * mw.scales.float()[:, g]
+    y = x.float() @ w.t()
+    return y if bias is None else y + bias.float()
+
+
+def check(quick: bool) -> list[dict]:
+    rows = []
+    shapes = [(4096, 4096), (1000, 4096), (200, 11008), (136, 320)]
+    families = [(4, 128, torch.float16), (4, 128, torch.bfloat16), (8, -1, torch.float16), (4, 256, torch.float16)]
+    configs = list(itertools.product((4, 8), (1, 2), (1, 3)))  # warps, tiles, split
+    i = 0
+    for bits, gs, dtype in families:
+        for n, k in shapes:
+            mw = random_mw(k, n, bits, gs)
+            for m in (1, 3, 8, 9, 16):
+                nw, tiles, split = configs[i % len(configs)]
+                has_bias = i % 3 == 0
+                i += 1
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                try:
+                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, split_k=split, out=out)
+                    torch.cuda.synchronize()
+                    err = rel_err(out, reference(x, mw, bias))
+                except Exception as exc:  # report every failure, keep checking the rest
+                    err = float("inf")
+                    print(f"FAILED {exc!r}"[:300])
+                row = dict(bits=bits, group_size=gs, dtype=str(dtype), n=n, k=k, m=m, warps=nw, tiles=tiles,
+                           split=split, bias=has_bias, rel_err=err)
+                rows.append(row)
+                flag = "ok" if err <= 1e-2 else "FAIL"
+                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} s{split} "
+                      f"bias={has_bias}: {err:.2e}", flush=True)
+            if quick and n == 1000:
+                break
+    return rows
+
+
+def split_for(n: int, k: int, warps: int, target: int) -> int:
+    """Split K so that the launch has about `target` warps per SM (132 SMs)."""
+    tiles = -(-n // 16)
+    split = 1
+    while tiles * split * warps < target * 132 and split < 16 and -(-k // 128) >= 4 * split * 2:
+        split *= 2
+    return split
+
+
+def sweep(quick: bool) -> list[dict]:
+    rows = []
+    configs = [(nw, t, tgt) for nw in (4, 8) for t in (1, 2) for tgt in (16, 32, 64)]
+    if quick:
+        configs = [(4, 2, 32), (8, 1, 32)]
+    for bits, ms in ((4, (1, 8, 16)), (8, (1, 16))):
+        gs = 128 if bits == 4 else -1
+        for shape, (k, n) in SHAPES.items():
+            first = random_mw(k, n, bits, gs)
+            ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
+            kws = [random_kw(k, n, bits, gs) for _ in range(len(ring))]
+            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                base = {"shape": shape, "bits": bits, "m": m}
+                t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
+                choice = dispatch.choose(bits, m)
+                told = graph_us([lambda kw=kw: dispatch.run(x, kw, None, choice) for kw in kws])
+                best = None
+                for nw, tiles, tgt in configs:
+                    split = split_for(n, k, nw, tgt)
+                    try:
+                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, split_k=split)
+                                       for mw in ring])
+                    except Exception as exc:
+                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} s{split}: {exc!r}"[:300])
+                        continue
+                    tbps = first.nbytes / us / 1e6
+                    rows.append({**base, "warps": nw, "tiles": tiles, "split": split, "target": tgt, "us": us,
+                                 "tbps": tbps, "fp16_us": t16, "old_us": told, "old": choice.method})
+                    if best is None or us < best[0]:
+                        best = (us, nw, tiles, split, tbps)
+                print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | old {told:6.1f} ({choice.method}) | mma best "
+                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} s{best[3]} {best[4]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
+                      flush=True)
+            del ring, kws, fp16
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for mma.json")
+    ap.add_argument("--quick", action="store_true", help="fewer checks and configurations")
+    ap.add_argument("--skip-check", action="store_true", help="timing only")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if not args.skip_check:
+        res["check"] = check(args.quick)
+        bad = [r for r in res["check"] if not r["rel_err"] <= 1e-2]
+        print(f"checks: {len(res['check'])}, failures {len(bad)}, worst "
+              f"{max(r['rel_err'] for r in res['check']):.2e} ({time.time() - t0:.0f} s)", flush=True)
+    res["sweep"] = sweep(args.quick)
+    (args.out / "mma.json").write_text(json.dumps(res, indent=1))
+    print(f"done in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
