@@ -110,7 +110,8 @@ def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
                       kw.out_features)
 
 
-def _asm(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: bool) -> tuple[str, str]:
+def _asm(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: bool,
+         preloaded: bool = False) -> tuple[str, str]:
     """PTX for `tiles` K-tiles of one warp (all loads first, then the mma steps) and its constraints.
 
     Operands: outputs acc[8]; inputs per tile (w address rows g and g+8, x address rows g and g+8,
@@ -118,12 +119,23 @@ def _asm(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: 
     same pairs for the 16× plane), then acc[8]. With one column tile, acc[4:8] pass through.
     Addresses always point at valid memory (the launcher clamps rows and tiles; a clamped tile has
     scale 0); only x beyond K is masked, and only when K is not a multiple of 128.
+    `preloaded` (one tile): the words come as operands (rows g then g+8, see `_load_asm`) in place
+    of their two addresses, loaded an iteration earlier.
     """
+    wpt = 4 if bits == 4 else 8  # words per row, thread and tile
     cons = ["=f"] * 8
     per_tile = []
     for u in range(tiles):
         d = {}
-        for name, c in [("wa", "l"), ("wa8", "l"), ("xa", "l"), ("xa8", "l"), ("kl", "r"), ("sg", "f"), ("sg8", "f"),
+        if preloaded:
+            d["words"] = []
+            for _ in range(2 * wpt):
+                d["words"].append(f"${len(cons)}")
+                cons.append("r")
+        for name, c in [] if preloaded else [("wa", "l"), ("wa8", "l")]:
+            d[name] = f"${len(cons)}"
+            cons.append(c)
+        for name, c in [("xa", "l"), ("xa8", "l"), ("kl", "r"), ("sg", "f"), ("sg8", "f"),
                         ("zg", "r"), ("zg8", "r"), ("zh", "r"), ("zh8", "r")]:
             d[name] = f"${len(cons)}"
             cons.append(c)
@@ -134,7 +146,6 @@ def _asm(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: 
         cons.append("f")
 
     n_acc = 4 * col_tiles
-    wpt = 4 if bits == 4 else 8  # words per row, thread and tile
     x16 = bits == 4 and not bf16  # odd nibbles read as 1024 + 16·q in place (no shift), summed apart
     magic = "0x43004300" if bf16 else "0x64006400"
     ab = "bf16" if bf16 else "f16"
@@ -147,7 +158,9 @@ def _asm(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: 
     for u in range(tiles):
         op = per_tile[u]
         wb = 2 * wpt * u
-        for v in range(wpt // 4):
+        if preloaded:
+            L += [f"mov.b32 w{wb + i}, {r};" for i, r in enumerate(op["words"])]
+        for v in range(0 if preloaded else wpt // 4):
             r = ", ".join(f"w{wb + 4 * v + i}" for i in range(4))
             r8 = ", ".join(f"w{wb + wpt + 4 * v + i}" for i in range(4))
             L.append(f"ld.global.L1::no_allocate.v4.u32 {{{r}}}, [{op['wa']}+{16 * v}];")
@@ -208,14 +221,26 @@ def _asm(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: 
     return "\n".join(L), ",".join(cons)
 
 
+def _load_asm(bits: int) -> tuple[str, str]:
+    """PTX that loads one tile's words of rows g and g + 8 (16-byte loads that skip L1)."""
+    wpt = 4 if bits == 4 else 8
+    lines = []
+    for row, addr in ((0, f"${2 * wpt}"), (1, f"${2 * wpt + 1}")):
+        for v in range(wpt // 4):
+            regs = ", ".join(f"${row * wpt + 4 * v + i}" for i in range(4))
+            lines.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{16 * v}];")
+    return "\n".join(lines), ",".join(["=r"] * (2 * wpt) + ["l", "l"])
+
+
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: bool) -> tuple[str, str]:
+def asm_for(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: bool,
+            preloaded: bool = False) -> tuple[str, str]:
     """The cached PTX and constraints of one configuration."""
-    key = (bits, col_tiles, tiles, warps, bf16, even_k)
+    key = (bits, col_tiles, tiles, warps, bf16, even_k, preloaded)
     if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, tiles, warps, bf16, even_k)
+        _ASM[key] = _asm(bits, col_tiles, tiles, warps, bf16, even_k, preloaded)
     return _ASM[key]
 
 
@@ -255,6 +280,7 @@ def mma_gemv_kernel(
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, TILES: tl.constexpr,
     NW: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr = False, LOAD_ASM: tl.constexpr = "", LOAD_CONS: tl.constexpr = "",
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -281,23 +307,53 @@ def mma_gemv_kernel(
     hi = tl.minimum(lo + per, n_tiles)
     zero = tl.zeros([T], dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
-    for j in range(0, tl.cdiv(hi - lo, NW * TILES)):
-        tile = lo + j * (NW * TILES) + warp  # this warp's first tile; the next is NW tiles on
-        p0 = _tile_operands(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                            group_size, WPT, BF16)
-        if TILES == 2:
-            p1 = _tile_operands(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t,
-                                K, G, group_size, WPT, BF16)
-            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                ASM, CONS, [p0[0], p0[1], p0[2], p0[3], p0[4], p0[5], p0[6], p0[7], p0[8], p0[9], p0[10],
-                            p1[0], p1[1], p1[2], p1[3], p1[4], p1[5], p1[6], p1[7], p1[8], p1[9], p1[10],
-                            a0, a1, a2, a3, a4, a5, a6, a7],
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                ASM, CONS, [p0[0], p0[1], p0[2], p0[3], p0[4], p0[5], p0[6], p0[7], p0[8], p0[9], p0[10],
-                            a0, a1, a2, a3, a4, a5, a6, a7],
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    if PREFETCH:
+        # Software pipeline, one tile deep: the words (and scales) of the warp's next tile are loaded
+        # before the current tile's mma steps run, so a warp always has a tile's loads in flight.
+        tile = lo + warp
+        p = _tile_operands(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+                           group_size, WPT, BF16)
+        w = tl.inline_asm_elementwise(LOAD_ASM, LOAD_CONS, [p[0], p[1]], dtype=(tl.int32,) * (2 * WPT),
+                                      is_pure=False, pack=1)
+        for j in range(0, tl.cdiv(hi - lo, NW)):
+            q = _tile_operands(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t,
+                               K, G, group_size, WPT, BF16)
+            wn = tl.inline_asm_elementwise(LOAD_ASM, LOAD_CONS, [q[0], q[1]], dtype=(tl.int32,) * (2 * WPT),
+                                           is_pure=False, pack=1)
+            if WPT == 4:
+                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                    ASM, CONS, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
+                                p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10],
+                                a0, a1, a2, a3, a4, a5, a6, a7],
+                    dtype=(tl.float32,) * 8, is_pure=False, pack=1)
+            else:
+                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                    ASM, CONS, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
+                                w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15],
+                                p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10],
+                                a0, a1, a2, a3, a4, a5, a6, a7],
+                    dtype=(tl.float32,) * 8, is_pure=False, pack=1)
+            w = wn
+            p = q
+            tile += NW
+    else:
+        for j in range(0, tl.cdiv(hi - lo, NW * TILES)):
+            tile = lo + j * (NW * TILES) + warp  # this warp's first tile; the next is NW tiles on
+            p0 = _tile_operands(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+                                group_size, WPT, BF16)
+            if TILES == 2:
+                p1 = _tile_operands(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t,
+                                    K, G, group_size, WPT, BF16)
+                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                    ASM, CONS, [p0[0], p0[1], p0[2], p0[3], p0[4], p0[5], p0[6], p0[7], p0[8], p0[9], p0[10],
+                                p1[0], p1[1], p1[2], p1[3], p1[4], p1[5], p1[6], p1[7], p1[8], p1[9], p1[10],
+                                a0, a1, a2, a3, a4, a5, a6, a7],
+                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+            else:
+                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                    ASM, CONS, [p0[0], p0[1], p0[2], p0[3], p0[4], p0[5], p0[6], p0[7], p0[8], p0[9], p0[10],
+                                a0, a1, a2, a3, a4, a5, a6, a7],
+                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
     # Sum the warps' K slices; lane (g, t) then holds rows g and g + 8 for x rows 2t and 2t + 1.
     lane32 = tl.arange(0, 32)
     n0 = pid_n * 16 + lane32 // 4
@@ -331,8 +387,9 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     num_warps: int = 4,
-    tiles: int = 2,
+    tiles: int = 1,
     split_k: int = 1,
+    prefetch: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 16 on the tensor cores; x fp16 (or bf16 with W4)."""
@@ -351,12 +408,16 @@ def gemv(
     cnt = counters(x.device, row_tiles)
     cols = 1 if m <= 8 else 2
     bf16 = x.dtype == torch.bfloat16
-    asm, cons = asm_for(mw.bits, cols, tiles, num_warps, bf16, k % TILE_K == 0)
+    if prefetch:
+        tiles = 1
+    asm, cons = asm_for(mw.bits, cols, tiles, num_warps, bf16, k % TILE_K == 0, prefetch)
+    load_asm, load_cons = _load_asm(mw.bits)
     mma_gemv_kernel[(row_tiles, split_k)](
         x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws, cnt,
         m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0), group_size=mw.group_size,
         ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, TILES=tiles, NW=num_warps, BF16=bf16,
-        SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None, num_warps=num_warps,
+        SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
+        PREFETCH=prefetch, LOAD_ASM=load_asm, LOAD_CONS=load_cons, num_warps=num_warps,
     )
     return out
 
