@@ -1,29 +1,44 @@
-"""One kernel launch to profile with Nsight Compute: the tuned M = 1 W4 GEMV on the qkv shape.
+"""One kernel launch to profile with Nsight Compute, at M = 1 on a Llama-2-7B shape.
 
-    ncu --kernel-name regex:gemv_kernel --launch-skip 3 --launch-count 1 \\
-        --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \\
-        --section LaunchStats --section MemoryWorkloadAnalysis python bench/kernels_profile.py
+    ncu --kernel-name regex:gemv_kernel --launch-skip 3 --launch-count 1 --set full \\
+        python bench/kernels_profile.py [--kernel table|mma] [--shape qkv] [--warps 4] [--split 1] [--prefetch]
 
-(PYTHONPATH=. from the repository root.) Launches the dispatch table's M = 1 choice five times.
+(PYTHONPATH=. from the repository root.) Launches the chosen kernel five times: `table` is the
+dispatch table's M = 1 choice, `mma` the tensor-core GEMV with the given warps, split-K and prefetch.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from bench.kernel_candidates import SHAPES, random_kw
-from quantkit.kernels import dispatch
+from quantkit.kernels import dispatch, triton_mma
 
 
 def main() -> None:
-    k, n = SHAPES["qkv"]
-    kw = random_kw(k, n, 4, 128)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=("table", "mma"), default="table", help="which kernel to launch")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="qkv", help="Llama-2-7B linear")
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (W8: one group per row)")
+    ap.add_argument("--warps", type=int, default=4, help="mma: warps per program")
+    ap.add_argument("--split", type=int, default=1, help="mma: split-K")
+    ap.add_argument("--prefetch", action="store_true", help="mma: one-tile-deep software pipeline")
+    args = ap.parse_args()
+    k, n = SHAPES[args.shape]
+    kw = random_kw(k, n, args.bits, 128 if args.bits == 4 else -1)
     x = torch.randn(1, k, device="cuda", dtype=torch.float16)
-    choice = dispatch.choose(4, 1)
-    for _ in range(5):
-        dispatch.run(x, kw, None, choice)
+    if args.kernel == "mma":
+        mw = triton_mma.from_kernel_weights(kw)
+        for _ in range(5):
+            triton_mma.gemv(x, mw, num_warps=args.warps, split_k=args.split, prefetch=args.prefetch)
+    else:
+        choice = dispatch.choose(args.bits, 1)
+        for _ in range(5):
+            dispatch.run(x, kw, None, choice)
+        print(choice)
     torch.cuda.synchronize()
-    print(choice)
 
 
 if __name__ == "__main__":
