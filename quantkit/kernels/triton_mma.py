@@ -110,177 +110,153 @@ def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
                       kw.out_features)
 
 
-def _asm(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: bool,
-         preloaded: bool = False) -> tuple[str, str]:
-    """PTX for `tiles` K-tiles of one warp (all loads first, then the mma steps) and its constraints.
+def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
+    """PTX for `tiles` K-tiles of one warp, and its constraints.
 
-    Operands: outputs acc[8]; inputs per tile (w address rows g and g+8, x address rows g and g+8,
-    inputs left for the thread's first chunk, scales g and g+8 (fp32), zero pairs g and g+8, and the
-    same pairs for the 16× plane), then acc[8]. With one column tile, acc[4:8] pass through.
-    Addresses always point at valid memory (the launcher clamps rows and tiles; a clamped tile has
-    scale 0); only x beyond K is masked, and only when K is not a multiple of 128.
-    `preloaded` (one tile): the words come as operands (rows g then g+8, see `_load_asm`) in place
-    of their two addresses, loaded an iteration earlier.
+    Operands: outputs acc[8]; inputs per tile: word addresses of rows g and g + 8, x addresses of
+    rows g and g + 8, inputs left for the thread's first chunk, the raw scales (fp16) and zero points
+    (uint) of rows g and g + 8; then acc[8]. With one column tile acc[4:8] pass through.
+    The tiles' mma steps are interleaved (step 0 of every tile, then step 1, ...), so that the first
+    steps need every tile's words: ptxas schedules a load just before its first use, and this way all
+    of the warp's weight loads are in flight together instead of one tile's at a time.
+    Scales and zeros are converted here. Addresses always point at valid memory (the kernel clamps
+    rows and tiles; a clamped tile has scale 0); only x beyond K is masked, and only when K is not a
+    multiple of 128.
     """
     wpt = 4 if bits == 4 else 8  # words per row, thread and tile
     cons = ["=f"] * 8
-    per_tile = []
-    for u in range(tiles):
-        d = {}
-        if preloaded:
-            d["words"] = []
-            for _ in range(2 * wpt):
-                d["words"].append(f"${len(cons)}")
-                cons.append("r")
-        for name, c in [] if preloaded else [("wa", "l"), ("wa8", "l")]:
-            d[name] = f"${len(cons)}"
+    ops = []
+    for _ in range(tiles):
+        op = {}
+        for name, c in [("wa", "l"), ("wa8", "l"), ("xa", "l"), ("xa8", "l"), ("kl", "r"), ("s", "h"), ("s8", "h"),
+                        ("z", "r"), ("z8", "r")]:
+            op[name] = f"${len(cons)}"
             cons.append(c)
-        for name, c in [("xa", "l"), ("xa8", "l"), ("kl", "r"), ("sg", "f"), ("sg8", "f"),
-                        ("zg", "r"), ("zg8", "r"), ("zh", "r"), ("zh8", "r")]:
-            d[name] = f"${len(cons)}"
-            cons.append(c)
-        per_tile.append(d)
+        ops.append(op)
     acc_in = []
     for _ in range(8):
         acc_in.append(f"${len(cons)}")
         cons.append("f")
 
     n_acc = 4 * col_tiles
-    x16 = bits == 4 and not bf16  # odd nibbles read as 1024 + 16·q in place (no shift), summed apart
+    x16 = bits == 4 and not bf16  # odd nibbles read in place as 1024 + 16·q (no shift), summed apart
     magic = "0x43004300" if bf16 else "0x64006400"
+    neg = "0xC300" if bf16 else "0xE400"  # −128 (bf16) / −1024 (fp16) with z in the low mantissa bits
     ab = "bf16" if bf16 else "f16"
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
     L = ["{",
-         f".reg .pred px<{4 * tiles}>;",
-         f".reg .b32 w<{2 * wpt * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh<2>;",
-         f".reg .f32 d<{n_acc}>, e<{n_acc}>;",
+         ".reg .pred px;",
+         f".reg .b32 w<{2 * wpt * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh, "
+         + ", ".join(f"{z}_{u}" for z in ("zg", "zg8", "zh", "zh8") for u in range(tiles)) + ";",
+         f".reg .f32 d<{n_acc * tiles}>, e<{n_acc * tiles}>, sg, sg8;",
          ".reg .s32 kt;"]
-    for u in range(tiles):
-        op = per_tile[u]
+    for u, op in enumerate(ops):
         wb = 2 * wpt * u
-        if preloaded:
-            L += [f"mov.b32 w{wb + i}, {r};" for i, r in enumerate(op["words"])]
-        for v in range(0 if preloaded else wpt // 4):
-            r = ", ".join(f"w{wb + 4 * v + i}" for i in range(4))
-            r8 = ", ".join(f"w{wb + wpt + 4 * v + i}" for i in range(4))
-            L.append(f"ld.global.L1::no_allocate.v4.u32 {{{r}}}, [{op['wa']}+{16 * v}];")
-            L.append(f"ld.global.L1::no_allocate.v4.u32 {{{r8}}}, [{op['wa8']}+{16 * v}];")
+        for v in range(wpt // 4):
+            for row, addr in ((0, op["wa"]), (wpt, op["wa8"])):
+                regs = ", ".join(f"w{wb + row + 4 * v + i}" for i in range(4))
+                L.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{16 * v}];")
+    for u, op in enumerate(ops):
         for nt in range(col_tiles):
             base = op["xa"] if nt == 0 else op["xa8"]
             for c in range(4):
-                xs = [f"x{16 * (nt + col_tiles * u) + 4 * c + i}" for i in range(4)]
+                xb = 16 * (col_tiles * u + nt) + 4 * c
+                xs = ", ".join(f"x{xb + i}" for i in range(4))
                 if even_k:
-                    L.append(f"ld.global.v4.u32 {{{', '.join(xs)}}}, [{base}+{64 * c}];")
+                    L.append(f"ld.global.v4.u32 {{{xs}}}, [{base}+{64 * c}];")
                 else:
-                    if nt == 0:
-                        L.append(f"sub.s32 kt, {op['kl']}, {32 * c};")
-                        L.append(f"setp.gt.s32 px{4 * u + c}, kt, 0;")
-                    L += [f"mov.b32 {r}, 0;" for r in xs]
-                    L.append(f"@px{4 * u + c} ld.global.v4.u32 {{{', '.join(xs)}}}, [{base}+{64 * c}];")
-    prev = acc_in
-    for u in range(tiles):
-        wb = 2 * wpt * u
-        op = per_tile[u]
-        L += [f"mov.f32 d{i}, 0f00000000;" for i in range(n_acc)]
-        if x16:
-            L += [f"mov.f32 e{i}, 0f00000000;" for i in range(n_acc)]
-        for c in range(4):
-            for h in range(2):
-                acc, za, zb = "d", op["zg"], op["zg8"]
+                    L.append(f"sub.s32 kt, {op['kl']}, {32 * c};")
+                    L.append("setp.gt.s32 px, kt, 0;")
+                    L += [f"mov.b32 x{xb + i}, 0;" for i in range(4)]
+                    L.append(f"@px ld.global.v4.u32 {{{xs}}}, [{base}+{64 * c}];")
+        # The zero mma's A operands: −(1024 + z) (and −(1024 + 16·z) for the 16× steps) twice per word.
+        for dst, src, shift in (("zg", op["z"], 0), ("zg8", op["z8"], 0), ("zh", op["z"], 4), ("zh8", op["z8"], 4)):
+            if shift and not x16:
+                continue
+            if shift:
+                L.append(f"shl.b32 sh, {src}, {shift};")
+                src = "sh"
+            L.append(f"or.b32 {dst}_{u}, {src}, {neg};")
+            L.append(f"prmt.b32 {dst}_{u}, {dst}_{u}, {dst}_{u}, 0x1010;")
+    L += [f"mov.f32 d{i}, 0f00000000;" for i in range(n_acc * tiles)]
+    if x16:
+        L += [f"mov.f32 e{i}, 0f00000000;" for i in range(n_acc * tiles)]
+    for c in range(4):
+        for h in range(2):
+            for u in range(tiles):
+                wb = 2 * wpt * u
+                acc, za, zb = "d", f"zg_{u}", f"zg8_{u}"
                 if bits == 4:
                     for which, word in ((0, f"w{wb + c}"), (1, f"w{wb + wpt + c}")):
                         for i, p in enumerate(PAIR_NIBBLE[h]):
-                            odd = x16 and p % 2  # read in place as 1024 + 16·q
+                            odd = x16 and p % 2
                             shift = 4 * (p - 1) if odd else 4 * p
                             src = word
                             if shift:
-                                L.append(f"shr.b32 sh0, {word}, {shift};")
-                                src = "sh0"
+                                L.append(f"shr.b32 sh, {word}, {shift};")
+                                src = "sh"
                             mask = "0x00F000F0" if odd else "0x000F000F"
                             L.append(f"lop3.b32 a{which + 2 * i}, {src}, {mask}, {magic}, 0xEA;")
                     if x16 and h == 1:
-                        acc, za, zb = "e", op["zh"], op["zh8"]
+                        acc, za, zb = "e", f"zh_{u}", f"zh8_{u}"
                 else:
                     for which, word in ((0, f"w{wb + 2 * c + h}"), (1, f"w{wb + wpt + 2 * c + h}")):
                         L.append(f"prmt.b32 a{which}, {word}, 0x64646464, 0x4140;")
                         L.append(f"prmt.b32 a{which + 2}, {word}, 0x64646464, 0x4342;")
                 for nt in range(col_tiles):
-                    xb = 16 * (nt + col_tiles * u) + 4 * c + 2 * h
-                    dd = ", ".join(f"{acc}{4 * nt + i}" for i in range(4))
+                    xb = 16 * (col_tiles * u + nt) + 4 * c + 2 * h
+                    dd = ", ".join(f"{acc}{n_acc * u + 4 * nt + i}" for i in range(4))
                     L.append(f"{mma} {{{dd}}}, {{a0, a1, a2, a3}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
                     L.append(f"{mma} {{{dd}}}, {{{za}, {zb}, {za}, {zb}}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
+    prev = acc_in
+    for u, op in enumerate(ops):
+        L += [f"cvt.f32.f16 sg, {op['s']};", f"cvt.f32.f16 sg8, {op['s8']};"]
         for i in range(n_acc):
+            j = n_acc * u + i
             if x16:
-                L.append(f"fma.rn.f32 d{i}, e{i}, 0f3D800000, d{i};")  # + e / 16
-            s = op["sg"] if i % 4 < 2 else op["sg8"]
-            L.append(f"fma.rn.f32 ${i}, {s}, d{i}, {prev[i]};")
-        prev = [f"${i}" for i in range(n_acc)] + prev[n_acc:]
-    for i in range(n_acc, 8):
-        L.append(f"mov.f32 ${i}, {acc_in[i]};")
+                L.append(f"fma.rn.f32 d{j}, e{j}, 0f3D800000, d{j};")  # + e / 16
+            L.append(f"fma.rn.f32 ${i}, {'sg' if i % 4 < 2 else 'sg8'}, d{j}, {prev[i]};")
+        prev = [f"${i}" for i in range(n_acc)]
+    L += [f"mov.f32 ${i}, {acc_in[i]};" for i in range(n_acc, 8)]
     L.append("}")
     return "\n".join(L), ",".join(cons)
-
-
-def _load_asm(bits: int) -> tuple[str, str]:
-    """PTX that loads one tile's words of rows g and g + 8 (16-byte loads that skip L1)."""
-    wpt = 4 if bits == 4 else 8
-    lines = []
-    for row, addr in ((0, f"${2 * wpt}"), (1, f"${2 * wpt + 1}")):
-        for v in range(wpt // 4):
-            regs = ", ".join(f"${row * wpt + 4 * v + i}" for i in range(4))
-            lines.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{16 * v}];")
-    return "\n".join(lines), ",".join(["=r"] * (2 * wpt) + ["l", "l"])
 
 
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, tiles: int, warps: int, bf16: bool, even_k: bool,
-            preloaded: bool = False) -> tuple[str, str]:
+def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
     """The cached PTX and constraints of one configuration."""
-    key = (bits, col_tiles, tiles, warps, bf16, even_k, preloaded)
+    key = (bits, col_tiles, bf16, even_k, tiles)
     if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, tiles, warps, bf16, even_k, preloaded)
+        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
     return _ASM[key]
 
 
 @triton.jit
-def _zero_pairs(z_ptr, off, ok, BF16: tl.constexpr):
-    """−(1024 + z) and −(1024 + 16·z) (fp16; bf16: −(128 + z)), each twice in one 32-bit word: the A
-    operands of the zero mma for the plain and the 16× steps."""
-    z = tl.load(z_ptr + off, mask=ok, other=0).to(tl.int32)
-    if BF16:
-        h = z | 0xC300
-        h16 = h
-    else:
-        h = z | 0xE400
-        h16 = (z << 4) | 0xE400
-    return h | (h << 16), h16 | (h16 << 16)
-
-
-@triton.jit
-def _tile_operands(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                   group_size: tl.constexpr, WPT: tl.constexpr, BF16: tl.constexpr):
-    """One tile's inline-asm operands for each thread; a tile past `hi` is clamped and scaled by 0."""
+def _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+          group_size: tl.constexpr, WPT: tl.constexpr):
+    """One tile's operands for each thread: word and x addresses, inputs left, raw scales and zeros
+    of rows g and g + 8. A tile past `hi` is clamped to valid memory and gets scale 0."""
     ok = tile < hi
     tc = tl.minimum(tile, hi - 1).to(tl.int64)
     gi = tl.minimum(tc * 128 // group_size, G - 1).to(tl.int32)
-    sg = tl.load(s_row + gi, mask=ok & row_ok, other=0.0).to(tl.float32)
-    sg8 = tl.load(s_row + 8 * G + gi, mask=ok & row8_ok, other=0.0).to(tl.float32)
-    zg, zh = _zero_pairs(z_row, gi, ok & row_ok, BF16)
-    zg8, zh8 = _zero_pairs(z_row + 8 * G, gi, ok & row8_ok, BF16)
+    s = tl.load(s_row + gi, mask=ok & row_ok, other=0.0)
+    s8 = tl.load(s_row + 8 * G + gi, mask=ok & row8_ok, other=0.0)
+    z = tl.load(z_row + gi, mask=ok & row_ok, other=0).to(tl.int32)
+    z8 = tl.load(z_row + 8 * G + gi, mask=ok & row8_ok, other=0).to(tl.int32)
     kl = (K - tc * 128 - t * 8).to(tl.int32)
     return (w_row + tc * (WPT * 16), w_row8 + tc * (WPT * 16), x_row + tc * 256, x_row8 + tc * 256, kl,
-            sg, sg8, zg, zg8, zh, zh8)
+            s, s8, z, z8)
 
 
 @triton.jit
 def mma_gemv_kernel(
     x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
-    ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, TILES: tl.constexpr,
-    NW: tl.constexpr, BF16: tl.constexpr, SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PREFETCH: tl.constexpr = False, LOAD_ASM: tl.constexpr = "", LOAD_CONS: tl.constexpr = "",
+    ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
+    TILES: tl.constexpr,
+    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -306,64 +282,48 @@ def mma_gemv_kernel(
     lo = pid_k * per
     hi = tl.minimum(lo + per, n_tiles)
     zero = tl.zeros([T], dtype=tl.float32)
-    a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
-    if PREFETCH:
-        # Software pipeline, one tile deep: the words (and scales) of the warp's next tile are loaded
-        # before the current tile's mma steps run, so a warp always has a tile's loads in flight.
-        tile = lo + warp
-        p = _tile_operands(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                           group_size, WPT, BF16)
-        w = tl.inline_asm_elementwise(LOAD_ASM, LOAD_CONS, [p[0], p[1]], dtype=(tl.int32,) * (2 * WPT),
-                                      is_pure=False, pack=1)
-        for j in range(0, tl.cdiv(hi - lo, NW)):
-            q = _tile_operands(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t,
-                               K, G, group_size, WPT, BF16)
-            wn = tl.inline_asm_elementwise(LOAD_ASM, LOAD_CONS, [q[0], q[1]], dtype=(tl.int32,) * (2 * WPT),
-                                           is_pure=False, pack=1)
-            if WPT == 4:
-                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                    ASM, CONS, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
-                                p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10],
-                                a0, a1, a2, a3, a4, a5, a6, a7],
-                    dtype=(tl.float32,) * 8, is_pure=False, pack=1)
-            else:
-                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                    ASM, CONS, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
-                                w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15],
-                                p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10],
-                                a0, a1, a2, a3, a4, a5, a6, a7],
-                    dtype=(tl.float32,) * 8, is_pure=False, pack=1)
-            w = wn
-            p = q
-            tile += NW
-    else:
-        for j in range(0, tl.cdiv(hi - lo, NW * TILES)):
-            tile = lo + j * (NW * TILES) + warp  # this warp's first tile; the next is NW tiles on
-            p0 = _tile_operands(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                                group_size, WPT, BF16)
-            if TILES == 2:
-                p1 = _tile_operands(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t,
-                                    K, G, group_size, WPT, BF16)
-                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                    ASM, CONS, [p0[0], p0[1], p0[2], p0[3], p0[4], p0[5], p0[6], p0[7], p0[8], p0[9], p0[10],
-                                p1[0], p1[1], p1[2], p1[3], p1[4], p1[5], p1[6], p1[7], p1[8], p1[9], p1[10],
-                                a0, a1, a2, a3, a4, a5, a6, a7],
-                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-            else:
-                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                    ASM, CONS, [p0[0], p0[1], p0[2], p0[3], p0[4], p0[5], p0[6], p0[7], p0[8], p0[9], p0[10],
-                                a0, a1, a2, a3, a4, a5, a6, a7],
-                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+    tile = lo + warp  # warp w takes tiles lo + w, lo + w + NW, ...
+    for _ in range(0, tl.cdiv(hi - lo, NW * TILES)):
+        p = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size, WPT)
+        if TILES == 1:
+            acc = tl.inline_asm_elementwise(
+                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
+                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        elif TILES == 2:
+            q = _tile(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+                      group_size, WPT)
+            acc = tl.inline_asm_elementwise(
+                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
+                            q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
+                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            q = _tile(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+                      group_size, WPT)
+            r = _tile(tile + 2 * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+                      group_size, WPT)
+            u = _tile(tile + 3 * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+                      group_size, WPT)
+            acc = tl.inline_asm_elementwise(
+                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
+                            q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
+                            r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
+                            u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8],
+                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        tile += NW * TILES
     # Sum the warps' K slices; lane (g, t) then holds rows g and g + 8 for x rows 2t and 2t + 1.
     lane32 = tl.arange(0, 32)
     n0 = pid_n * 16 + lane32 // 4
     m0 = (lane32 % 4) * 2
-    vals = _pairs(_warp_sum(a0, NW), _warp_sum(a1, NW), _warp_sum(a2, NW), _warp_sum(a3, NW))
+    vals = _pairs(_warp_sum(acc[0], NW), _warp_sum(acc[1], NW), _warp_sum(acc[2], NW), _warp_sum(acc[3], NW))
     offs_m = _pairs(m0, m0 + 1, m0, m0 + 1)
     offs_n = _pairs(n0, n0, n0 + 8, n0 + 8)
     if COLS == 2:
-        vals = tl.reshape(tl.join(vals, _pairs(_warp_sum(a4, NW), _warp_sum(a5, NW), _warp_sum(a6, NW),
-                                               _warp_sum(a7, NW))), [256])
+        vals = tl.reshape(tl.join(vals, _pairs(_warp_sum(acc[4], NW), _warp_sum(acc[5], NW), _warp_sum(acc[6], NW),
+                                               _warp_sum(acc[7], NW))), [256])
         offs_m = tl.reshape(tl.join(offs_m, offs_m + 8), [256])
         offs_n = tl.reshape(tl.join(offs_n, offs_n), [256])
     store_points(vals, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k,
@@ -387,9 +347,9 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     num_warps: int = 4,
-    tiles: int = 1,
     split_k: int = 1,
-    prefetch: bool = True,
+    tiles: int = 1,
+    maxnreg: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 16 on the tensor cores; x fp16 (or bf16 with W4)."""
@@ -401,23 +361,17 @@ def gemv(
     n = mw.out_features
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    n_tiles = triton.cdiv(k, TILE_K)
-    split_k = clamp_split(max(1, min(split_k, n_tiles)), m, n)
+    split_k = clamp_split(max(1, min(split_k, triton.cdiv(k, TILE_K))), m, n)
     ws = workspace(split_k, m, n, x.device)
     row_tiles = triton.cdiv(n, 16)
-    cnt = counters(x.device, row_tiles)
     cols = 1 if m <= 8 else 2
-    bf16 = x.dtype == torch.bfloat16
-    if prefetch:
-        tiles = 1
-    asm, cons = asm_for(mw.bits, cols, tiles, num_warps, bf16, k % TILE_K == 0, prefetch)
-    load_asm, load_cons = _load_asm(mw.bits)
+    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles)
     mma_gemv_kernel[(row_tiles, split_k)](
-        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws, cnt,
-        m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0), group_size=mw.group_size,
-        ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, TILES=tiles, NW=num_warps, BF16=bf16,
+        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
+        counters(x.device, row_tiles), m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
+        group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
         SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
-        PREFETCH=prefetch, LOAD_ASM=load_asm, LOAD_CONS=load_cons, num_warps=num_warps,
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
 
