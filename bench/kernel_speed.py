@@ -4,8 +4,9 @@
 
 --tune first times every candidate kernel configuration (bench/kernel_candidates.py) summed over the
 four shapes, per M, and installs the fastest as the dispatch table (written to DIR/table.json, then
-copied into quantkit/kernels/dispatch.py). The benchmark proper goes through dispatch.run, as the
-runtime does. Times are medians over CUDA-graph replays, every call on a different weight buffer of a
+copied into quantkit/kernels/dispatch.py). The benchmark proper goes through dispatch.run with the
+layout and kernel choice the runtime gives such a layer (on CUDA the mma layout and
+dispatch.mma_choice; --block-planar times the block-planar kernels and their table instead). Times are medians over CUDA-graph replays, every call on a different weight buffer of a
 ring several times the L2 size; plain (eager) launch times are reported beside them. Writes
 DIR/kernels.json, DIR/kernels.md and DIR/kernels_speedup.png.
 """
@@ -22,10 +23,21 @@ import torch.nn.functional as F
 
 from bench.kernel_candidates import SHAPES, random_kw, tune
 from bench.kernel_timing import copy_bandwidth, graph_us, plain_us, ring_size
-from quantkit.kernels import dispatch
+from quantkit.kernels import dispatch, triton_mma
 
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 W8_MS = (1, 16, 256, 1024)
+
+
+def runtime_layout(kw):
+    """The layout the runtime gives such a layer on this GPU with fp16 activations (the mma layout
+    unless --block-planar), as dispatch.kernel_weights does."""
+    if BLOCK_PLANAR or not triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], torch.float16):
+        return kw
+    return triton_mma.from_kernel_weights(kw)
+
+
+BLOCK_PLANAR = False
 
 
 def int4_ring(k: int, n: int):
@@ -53,12 +65,12 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
         print(f"torch int4 unavailable: {exc}")
         i4, i4_bytes = None, 0
     for bits, ms in ((4, w4_ms), (8, w8_ms)):
-        kws = [random_kw(k, n, bits, 128 if bits == 4 else -1)]
-        kws += [random_kw(k, n, bits, 128 if bits == 4 else -1) for _ in range(ring_size(kws[0].nbytes) - 1)]
+        kws = [runtime_layout(random_kw(k, n, bits, 128 if bits == 4 else -1))]
+        kws += [runtime_layout(random_kw(k, n, bits, 128 if bits == 4 else -1)) for _ in range(ring_size(kws[0].nbytes) - 1)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            choice = dispatch.choose(bits, m)
-            row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m, "kernel": choice.method,
+            choice = dispatch.choice_for(kws[0], m, x.device)
+            row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m, "kernel": choice.method + "".join(f" {k[0]}{v}" for k, v in choice.params.items() if k in ("num_warps", "tiles")),
                    "ours": measure(lambda kw: dispatch.run(x, kw, None, choice), kws, kws[0].nbytes, m, k, n),
                    "fp16": measure(lambda w: F.linear(x, w), fp16, n * k * 2, m, k, n)}
             if bits == 4 and i4 is not None:
@@ -121,7 +133,11 @@ def main() -> None:
     ap.add_argument("--table", default=None, help="a dispatch table JSON to use instead of the built-in one")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values for W4")
     ap.add_argument("--w8-ms", default=",".join(map(str, W8_MS)), help="M values for W8")
+    ap.add_argument("--block-planar", action="store_true",
+                    help="time the block-planar kernels (the dispatch table) instead of the mma layout")
     args = ap.parse_args()
+    global BLOCK_PLANAR
+    BLOCK_PLANAR = args.block_planar
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.ms.split(",")]

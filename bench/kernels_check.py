@@ -17,7 +17,7 @@ import torch
 from bench.kernel_timing import rel_err
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
-from quantkit.kernels import dispatch, reference, triton_layout
+from quantkit.kernels import dispatch, reference, triton_layout, triton_mma
 from quantkit.kernels.triton_gemm import dequantize, gemm
 from quantkit.kernels.triton_gemv import gemv
 
@@ -62,6 +62,18 @@ def variants(m: int):
     return out
 
 
+def mma_variants(m: int):
+    """(name, fn(x, mw, out)) for the mma layout: the GEMV's configurations, its dequantize, and
+    the runtime's choice (dispatch.mma_choice, 16-row slices above M = 16)."""
+    out = [("mma-dequant", lambda x, mw, y: y.copy_(x @ triton_mma.dequantize(mw, x.dtype).t())),
+           ("mma-dispatch", lambda x, mw, y: y.copy_(dispatch.run(x, mw, None, dispatch.choice_for(mw, x.shape[0], x.device))))]
+    if m <= 16:
+        for nw, tiles, reg, split in ((4, 1, None, 1), (8, 2, 128, 1), (4, 4, 168, 1), (4, 2, None, 3)):
+            out.append((f"mma-w{nw}t{tiles}s{split}", lambda x, mw, y, nw=nw, tiles=tiles, reg=reg, split=split:
+                        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, maxnreg=reg, split_k=split, out=y)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -78,14 +90,18 @@ def main() -> None:
     worst, failed = 0.0, []
     for i, (k, n, bits, gs, fmt, sym) in enumerate(cases):
         kw, ref_fn = make_layer(k, n, bits, gs, fmt, sym, seed=i)
+        mw = triton_mma.from_kernel_weights(kw)
         for dtype in (torch.float16, torch.bfloat16):
+            mma_ok = triton_mma.supports(bits, kw.group_size, k, kw.scales.shape[1], dtype)
             for m in [int(v) for v in args.ms.split(",")]:
                 x = (torch.randn(m, k, device="cuda") * 0.5).to(dtype)
                 ref = ref_fn(x).float()
-                for name, fn in variants(m):
+                runs = [(name, fn, kw) for name, fn in variants(m)]
+                runs += [(name, fn, mw) for name, fn in mma_variants(m) if mma_ok or name == "mma-dequant"]
+                for name, fn, weights in runs:
                     y = poisoned(m, n, dtype)
                     try:
-                        fn(x, kw, y)
+                        fn(x, weights, y)
                         err = rel_err(y, ref)
                     except Exception as exc:
                         print(f"ERROR {name} K={k} N={n} W{bits} g{gs} {fmt} {dtype} M={m}: {str(exc)[:300]}")
@@ -94,7 +110,7 @@ def main() -> None:
                     tag = "ok" if err <= TOL else "FAIL"
                     if tag == "FAIL":
                         failed.append((name, k, n, bits, gs, fmt, str(dtype), m, err))
-                    print(f"{tag:4} {name:10} K={k:5} N={n:5} W{bits} g{gs:4} {fmt:6} {str(dtype)[6:]:8} M={m:4} rel={err:.2e}", flush=True)
+                    print(f"{tag:4} {name:14} K={k:5} N={n:5} W{bits} g{gs:4} {fmt:6} {str(dtype)[6:]:8} M={m:4} rel={err:.2e}", flush=True)
     print(f"worst relative error {worst:.2e}; {len(failed)} failures")
     for f in failed:
         print("FAILED", f)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from bench.kernel_candidates import SHAPES, random_kw
 from bench.kernel_timing import graph_us, rel_err, ring_size
@@ -124,15 +126,47 @@ def sweep(quick: bool) -> list[dict]:
     return rows
 
 
+@triton.jit
+def _empty_kernel(out_ptr):
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr, 1.0)
+
+
+def floor() -> list[dict]:
+    """Time against K at fixed N: the intercept is what a launch costs beyond streaming the weights."""
+    rows = []
+    dummy = torch.empty(1, device="cuda")
+    rows.append({"what": "empty triton kernel (256 programs)",
+                 "us": graph_us([lambda: _empty_kernel[(256,)](dummy)] * 8)})
+    print(f"empty kernel {rows[-1]['us']:.2f} us", flush=True)
+    for n in (4096, 12288):
+        for k in (128, 512, 1024, 2048, 4096):
+            ring = [random_mw(k, n, 4, 128) for _ in range(ring_size(n * k // 2))]
+            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
+            x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+            row = {"n": n, "k": k, "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16])}
+            for nw in (4, 8):
+                row[f"mma_w{nw}_us"] = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw) for mw in ring])
+            rows.append(row)
+            print(row, flush=True)
+            del ring, fp16
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="directory for mma.json")
     ap.add_argument("--quick", action="store_true", help="fewer checks and configurations")
     ap.add_argument("--skip-check", action="store_true", help="timing only")
+    ap.add_argument("--floor", action="store_true", help="only the time-against-K series (launch floor)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.floor:
+        res["floor"] = floor()
+        (args.out / "floor.json").write_text(json.dumps(res, indent=1))
+        return
     if not args.skip_check:
         res["check"] = check(args.quick)
         bad = [r for r in res["check"] if not r["rel_err"] <= 1e-2]

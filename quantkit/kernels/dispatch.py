@@ -1,11 +1,15 @@
-"""Which kernel runs a quantized linear: chosen by bits and M from a table measured on the H200.
+"""Which kernel runs a quantized linear: chosen by bits and M from tables measured on the H200.
 
 `quant_linear(x, layer)` is what `QuantLinear.forward` calls on the Triton path. The layer's packed
-buffers are repacked once into the kernel layout (triton_layout) and kept on the layer as a plain
-attribute, rebuilt if the layer moves to another device. The table below came from
-bench/kernels_sweep.py (figures and reasons in BENCHMARKS.md, "Kernels (H200)"); split-K is set
-per call so that a launch has enough programs to fill the GPU. QUANTKIT_DISPATCH_TABLE=path.json
-replaces the table (the format `use_table` takes).
+buffers are repacked once into a kernel layout and kept on the layer as a plain attribute, rebuilt if
+the layer moves to another device:
+- on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 16
+  runs the mma GEMV, 16 < M ≤ 32 runs it on 16-row slices of x, larger M dequantizes (mma layout) and
+  calls cuBLAS (`mma_choice`, figures in BENCHMARKS.md and bench/KERNELS_NOTES.md);
+- otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
+  kernel's inline PTX) the block-planar layout (triton_layout) and `TABLE`, measured by
+  bench/kernel_speed.py --tune; split-K is set per call so that a launch has enough programs to fill
+  the GPU. QUANTKIT_DISPATCH_TABLE=path.json replaces that table (the format `use_table` takes).
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ from pathlib import Path
 import torch
 import triton
 
-from quantkit.kernels import triton_gemm, triton_gemv
+from quantkit.kernels import triton_gemm, triton_gemv, triton_mma
 from quantkit.kernels.triton_layout import KernelWeights, from_module
+from quantkit.kernels.triton_mma import MmaWeights
 
 
 @dataclass(frozen=True)
 class Choice:
     """A kernel and its tile parameters; `programs` is the split-K target in programs per SM."""
 
-    method: str  # "gemv", "gemm" or "dequant+cublas"
+    method: str  # "gemv", "gemm", "mma" or "dequant+cublas"
     params: dict = field(default_factory=dict)
     programs: float = 4.0
 
@@ -89,6 +94,32 @@ def choose(bits: int, m: int) -> Choice:
     return TABLE[bits][-1][1]
 
 
+def mma_choice(bits: int, m: int, n: int, sms: int = 132) -> Choice:
+    """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs.
+
+    Measured on the H200 (run 10 of bench/KERNELS_NOTES.md, four Llama-2-7B shapes): with one column
+    tile (M ≤ 8), GPUs full of small programs want one tile per step (qkv: N/16 = 768 row tiles, six
+    4-warp programs per SM), wider layers two tiles per step with all their loads in flight (gate_up),
+    and narrow ones (o, down: 256 row tiles) 8-warp programs; with two column tiles (M ≤ 16) four
+    tiles per step, except for narrow layers with 4-bit weights. Beyond M = 32 dequantize + cuBLAS wins.
+    """
+    if m > 32:
+        return _CUBLAS
+    rows = triton.cdiv(n, 16)
+    if m <= 8 or bits == 4:
+        if rows <= 2 * sms:
+            return Choice("mma", dict(num_warps=8, tiles=2, maxnreg=128))
+        if m <= 8 and rows <= 6 * sms:
+            return Choice("mma", dict(num_warps=4, tiles=1))
+        if m <= 8:
+            return Choice("mma", dict(num_warps=4, tiles=2, maxnreg=128))
+    return Choice("mma", dict(num_warps=4, tiles=4, maxnreg=168))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -104,13 +135,19 @@ def split_k_for(tiles: int, k_steps: int, device: torch.device, programs_per_sm:
     return split
 
 
-def kernel_weights(layer: torch.nn.Module, device: torch.device | None = None, offload: bool | None = None) -> KernelWeights:
-    """The layer's weights in the kernel layout on `device`, made at the first call and kept on the layer.
+def kernel_weights(
+    layer: torch.nn.Module,
+    device: torch.device | None = None,
+    offload: bool | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> KernelWeights | MmaWeights:
+    """The layer's weights in its kernel layout on `device`, made at the first call and kept on the layer.
 
-    The kernel layout holds the same bytes as the checkpoint tensors, so keeping both would double the
-    weight memory. With `offload` (default: on CUDA) the checkpoint tensors move to host memory once the
-    kernel layout exists: the state dict stays complete and the reference path still works (it
-    dequantizes on the host), while the accelerator holds one copy of the weight.
+    The layout is the mma one on a CUDA GPU when the mma GEMV takes the layer with `dtype` activations,
+    else block-planar. The kernel layout holds the same bytes as the checkpoint tensors, so keeping
+    both would double the weight memory. With `offload` (default: on CUDA) the checkpoint tensors
+    move to host memory once the kernel layout exists: the state dict stays complete and the reference
+    path still works (it dequantizes on the host), while the accelerator holds one copy of the weight.
     """
     ref = layer.qweight if layer.layout == "awq" else layer.weight_packed
     device = ref.device if device is None else device
@@ -120,20 +157,36 @@ def kernel_weights(layer: torch.nn.Module, device: torch.device | None = None, o
         if ref.device != device:  # the checkpoint tensors were offloaded: repack them on `device`
             layer.to(device)
         kw = from_module(layer)
+        groups = kw.scales.shape[1]
+        if device.type == "cuda" and not _interpreted() and triton_mma.supports(
+                kw.bits, kw.group_size, kw.in_features, groups, dtype):
+            kw = triton_mma.from_kernel_weights(kw)
         layer._kernel_weights = kw
         if offload:
             layer.offload_checkpoint_tensors()
     return kw
 
 
-def run(x2d: torch.Tensor, kw: KernelWeights, bias: torch.Tensor | None, choice: Choice) -> torch.Tensor:
-    """y [M, N] for x [M, K] with the given choice."""
+def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, choice: Choice) -> torch.Tensor:
+    """y [M, N] for x [M, K] with the given choice (which must suit the layout of `kw`)."""
     m = x2d.shape[0]
-    n, k8 = kw.out_features, kw.qweight.shape[1]
+    n = kw.out_features
     if choice.method == "dequant+cublas":
-        w = triton_gemm.dequantize(kw, x2d.dtype)
+        if isinstance(kw, MmaWeights):
+            w = triton_mma.dequantize(kw, x2d.dtype)
+        else:
+            w = triton_gemm.dequantize(kw, x2d.dtype)
         return torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
     p = choice.params
+    if choice.method == "mma":
+        dtype = x2d.dtype
+        if not triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
+            x2d = x2d.half()  # e.g. bf16 activations with 8-bit weights: fp16 operands, fp32 sums
+        out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
+        for r in range(0, m, 16):  # 16 rows of x per launch (the B operand's two column tiles)
+            triton_mma.gemv(x2d[r:r + 16], kw, bias, out=out[r:r + 16], **p)
+        return out.to(dtype)
+    k8 = kw.qweight.shape[1]
     if choice.method == "gemv":
         tiles = m * triton.cdiv(n, p["block_n"])
         split = split_k_for(tiles, triton.cdiv(k8, 4 * p["blocks"]), x2d.device, choice.programs)
@@ -143,11 +196,17 @@ def run(x2d: torch.Tensor, kw: KernelWeights, bias: torch.Tensor | None, choice:
     return triton_gemm.gemm(x2d, kw, bias, split_k=split, **p)
 
 
+def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device) -> Choice:
+    """The kernel for these weights and M rows of x: `mma_choice` for the mma layout, else the table."""
+    if isinstance(kw, MmaWeights):
+        return mma_choice(kw.bits, m, kw.out_features, _sm_count(device))
+    return choose(kw.bits, m)
+
+
 def quant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """y = x Wᵀ + b for a QuantLinear-like layer, on the kernel the table picks for its bits and M."""
-    kw = kernel_weights(layer, x.device)
+    """y = x Wᵀ + b for a QuantLinear-like layer, on the kernel chosen for its layout, bits and M."""
+    kw = kernel_weights(layer, x.device, dtype=x.dtype)
     shape = x.shape
     x2d = x.reshape(-1, shape[-1])
-    bias = None if layer.bias is None else layer.bias
-    y = run(x2d, kw, bias, choose(kw.bits, x2d.shape[0]))
+    y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device))
     return y.reshape(*shape[:-1], kw.out_features)

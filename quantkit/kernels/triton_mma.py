@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.triton_gemm import _dequant_values
 from quantkit.kernels.triton_layout import KernelWeights, unpack_block_planar
 from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
 
@@ -373,6 +374,62 @@ def gemv(
         SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
+    return out
+
+
+@triton.jit
+def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl.constexpr,
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """W [N, K] from the mma layout: each word's values are consecutive inputs (one 16-byte store for
+    W4, 8 bytes for W8), so the kernel unpacks a word tile, puts each word's values in input order and
+    stores them at the word's first input."""
+    pid_n = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    HALF: tl.constexpr = dtype == tl.float16
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    wi = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    ok = n_ok[:, None] & (wi < KW)[None, :]
+    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * KW + wi[None, :], mask=ok, other=0)
+    o = tl.arange(0, PER_WORD)
+    if BITS == 4:
+        # word 16·T + 4·t + c covers inputs 128·T + 32·c + 8·t + (0…7); output o holds the nibble whose
+        # index is o with its three bits reversed (W4_ORDER is its own inverse).
+        r = wi % 16
+        k0 = (wi // 16) * 128 + (r % 4) * 32 + (r // 4) * 8
+        nib = (o & 1) * 4 + ((o >> 1) & 1) * 2 + (o >> 2)
+    else:
+        # word 32·T + 8·t + 2·c + h covers inputs 128·T + 32·c + 8·t + 4·h + (0…3), bytes in order
+        r = wi % 32
+        k0 = (wi // 32) * 128 + ((r % 8) // 2) * 32 + (r // 8) * 8 + (r % 2) * 4
+        nib = o
+    q = (wt[:, :, None] >> (BITS * nib)[None, None, :]) & ((1 << BITS) - 1)
+    gi = tl.minimum(k0 // group_size, G - 1)
+    sz = offs_n[:, None] * G + gi[None, :]
+    s = tl.load(s_ptr + sz, mask=ok, other=0.0)
+    z = tl.load(z_ptr + sz, mask=ok, other=0).to(tl.int32)
+    if HALF:
+        zb = (z + 1024).to(tl.float16)
+    else:
+        zb = (z + 8388608).to(tl.float32)
+        s = s.to(tl.float32)
+    w = _dequant_values(q, zb[:, :, None], s[:, :, None], HALF, dtype)
+    offs_k = tl.multiple_of(k0, PER_WORD)[None, :, None] + o[None, None, :]
+    rows = out_ptr + offs_n.to(tl.int64)[:, None, None] * K
+    tl.store(rows + offs_k, w, mask=ok[:, :, None] & (offs_k < K))
+
+
+def dequantize(mw: MmaWeights, dtype: torch.dtype, block_n: int = 32, block_w: int = 32) -> torch.Tensor:
+    """W [N, K] in `dtype` from the mma layout, for the dequantize-then-cuBLAS path (pure Triton: runs
+    under TRITON_INTERPRET too)."""
+    n, k = mw.out_features, mw.in_features
+    kw, g = mw.qweight.shape[1], mw.scales.shape[1]
+    out = torch.empty(n, k, dtype=dtype, device=mw.qweight.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(kw, block_w))
+    dequant_mma_kernel[grid](mw.qweight, mw.scales, mw.zeros, out, n, k, kw, g, group_size=mw.group_size,
+                             BITS=mw.bits, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
     return out
 
 

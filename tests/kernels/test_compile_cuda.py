@@ -1,4 +1,6 @@
-"""The dispatch table's Triton kernels compile for Hopper (sm_90) without a GPU.
+"""The dispatch's Triton kernels compile for Hopper (sm_90) without a GPU: the block-planar table's,
+and every configuration `mma_choice` picks for the tensor-core GEMV (whose inline PTX is assembled by
+ptxas here, the only place in CI where it is).
 
 The CPU interpreter runs the kernels' Python but not Triton's compiler, which rejects some programs
 the interpreter accepts (an early `return` under a constexpr `if`, for one). The compile runs in a
@@ -50,6 +52,35 @@ SCRIPT = textwrap.dedent("""
                 c = build(dequant_kernel, DEQUANT, dict(group_size=128, BITS=bits, BLOCK_N=32, BLOCKS=16), num_warps=4)
             assert c.asm.get("cubin"), (bits, choice)
             count += 1
+
+    from quantkit.kernels import triton_mma
+    MMA = {"x_addr": "i64", "w_addr": "i64", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16",
+           "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "KW": "i32", "G": "i32", "stride_xm": "i32", "stride_om": "i32", "SPLIT_K": "i32"}
+    seen = set()
+    for bits in (4, 8):
+        for m in (1, 16):
+            for n in (4096, 12288, 22016):
+                c = dispatch.mma_choice(bits, m, n)
+                key = (bits, m > 8, tuple(sorted(c.params.items())))
+                if key in seen:
+                    continue
+                seen.add(key)
+                p = c.params
+                for bf16, even_k in ((False, True), (bits == 4, False)):
+                    asm, cons = triton_mma.asm_for(bits, 1 if m <= 8 else 2, bf16, even_k, p["tiles"])
+                    ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=1 if m <= 8 else 2,
+                              NW=p["num_warps"], TILES=p["tiles"], SPLIT=True, HAS_BIAS=True)
+                    opts = {"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}
+                    out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=p["num_warps"], **opts)
+                    assert out.asm.get("cubin"), (bits, m, p)
+                    assert out.asm["ptx"].count("mma.sync") == 2 * 8 * ce["COLS"] * p["tiles"]
+    for bits in (4, 8):
+        d = build(triton_mma.dequant_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
+                  "out_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "G": "i32"},
+                  dict(group_size=128, BITS=bits, BLOCK_N=32, BLOCK_W=32), num_warps=4)
+        assert d.asm.get("cubin")
+    print("mma configurations", len(seen))
     print("compiled", count)
 """)
 

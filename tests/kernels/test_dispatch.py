@@ -1,0 +1,44 @@
+"""The dispatch's choices between layouts and kernels (the kernels themselves: test_triton_*.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.kernels import dispatch, triton_mma
+from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
+
+
+def test_mma_choice_by_rows_of_x():
+    for bits in (4, 8):
+        for n in (4096, 12288, 22016):
+            assert dispatch.mma_choice(bits, 1, n).method == "mma"
+            assert dispatch.mma_choice(bits, 32, n).method == "mma"  # two 16-row launches
+            assert dispatch.mma_choice(bits, 33, n).method == "dequant+cublas"
+    # narrow layers (few 16-row tiles per SM) get 8-warp programs; wide ones 4-warp programs
+    assert dispatch.mma_choice(4, 1, 4096).params["num_warps"] == 8
+    assert dispatch.mma_choice(4, 1, 22016).params["num_warps"] == 4
+
+
+def test_run_mma_layout_dequantize_path(triton_interpreter):
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 256
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s = (torch.rand(n, 2, generator=g) * 0.02 + 0.002).half()
+    z = torch.randint(0, 16, (n, 2), generator=g).to(torch.uint8)
+    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, 128, k, n))
+    x = torch.randn(40, k, generator=g).half()
+    bias = torch.randn(n, generator=g).half()
+    idx = torch.arange(k) // 128
+    ref = x.float() @ ((q.float() - z.float()[:, idx]) * s.float()[:, idx]).t() + bias.float()
+    choice = dispatch.choice_for(mw, x.shape[0], x.device)
+    assert choice.method == "dequant+cublas"
+    out = dispatch.run(x, mw, bias, choice)
+    assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_cpu_layers_keep_the_block_planar_layout(monkeypatch):
+    from quantkit.nn import QuantLinear
+
+    layer = QuantLinear(128, 32, 4, 128, layout="packed")
+    kw = dispatch.kernel_weights(layer, torch.device("cpu"), offload=False)
+    assert isinstance(kw, KernelWeights)  # the mma layout is only made for CUDA devices
