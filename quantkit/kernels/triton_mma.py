@@ -379,57 +379,58 @@ def gemv(
 
 @triton.jit
 def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl.constexpr,
-                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """W [N, K] from the mma layout: each word's values are consecutive inputs (one 16-byte store for
-    W4, 8 bytes for W8), so the kernel unpacks a word tile, puts each word's values in input order and
-    stores them at the word's first input."""
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+    """W [N, K] from the mma layout: a [BLOCK_N, CHUNKS, 32] block in input order per program (as the
+    block-planar dequantize kernel does), each value gathered from its word. The 32 inputs of a chunk
+    come from 4 words (W4) or 8 (W8) that the thread re-reads from L1, and leave in 16-byte stores."""
     pid_n = tl.program_id(0)
-    pid_w = tl.program_id(1)
-    PER_WORD: tl.constexpr = 32 // BITS
+    pid_c = tl.program_id(1)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     HALF: tl.constexpr = dtype == tl.float16
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    wi = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    ok = n_ok[:, None] & (wi < KW)[None, :]
-    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * KW + wi[None, :], mask=ok, other=0)
-    o = tl.arange(0, PER_WORD)
+    ch = pid_c * CHUNKS + tl.arange(0, CHUNKS)  # chunk: inputs 32·ch … 32·ch + 31
+    e = tl.arange(0, 32)
+    tile = ch // 4
+    c = ch % 4
     if BITS == 4:
-        # word 16·T + 4·t + c covers inputs 128·T + 32·c + 8·t + (0…7); output o holds the nibble whose
-        # index is o with its three bits reversed (W4_ORDER is its own inverse).
-        r = wi % 16
-        k0 = (wi // 16) * 128 + (r % 4) * 32 + (r // 4) * 8
-        nib = (o & 1) * 4 + ((o >> 1) & 1) * 2 + (o >> 2)
+        # chunk c of a tile: inputs 8·t + o come from word 4·t + c, nibble bitreverse(o) (W4_ORDER)
+        word = (tile * 16 + c)[:, None] + ((e // 8) * 4)[None, :]
+        o = e % 8
+        shift = ((o & 1) * 4 + ((o >> 1) & 1) * 2 + (o >> 2)) * 4
     else:
-        # word 32·T + 8·t + 2·c + h covers inputs 128·T + 32·c + 8·t + 4·h + (0…3), bytes in order
-        r = wi % 32
-        k0 = (wi // 32) * 128 + ((r % 8) // 2) * 32 + (r // 8) * 8 + (r % 2) * 4
-        nib = o
-    q = (wt[:, :, None] >> (BITS * nib)[None, None, :]) & ((1 << BITS) - 1)
-    gi = tl.minimum(k0 // group_size, G - 1)
+        # inputs 8·t + 4·h + b of chunk c come from word 8·t + 2·c + h, byte b
+        word = (tile * 32 + 2 * c)[:, None] + ((e // 8) * 8 + (e % 8) // 4)[None, :]
+        shift = (e % 4) * 8
+    ok2 = n_ok[:, None] & (ch < tl.cdiv(K, 32))[None, :]
+    ok = ok2[:, :, None]
+    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * KW + word[None, :, :], mask=ok, other=0)
+    q = (wt >> shift[None, None, :]) & ((1 << BITS) - 1)
+    gi = tl.minimum(ch * 32 // group_size, G - 1)
     sz = offs_n[:, None] * G + gi[None, :]
-    s = tl.load(s_ptr + sz, mask=ok, other=0.0)
-    z = tl.load(z_ptr + sz, mask=ok, other=0).to(tl.int32)
+    s = tl.load(s_ptr + sz, mask=ok2, other=0.0)
+    z = tl.load(z_ptr + sz, mask=ok2, other=0).to(tl.int32)
     if HALF:
         zb = (z + 1024).to(tl.float16)
     else:
         zb = (z + 8388608).to(tl.float32)
         s = s.to(tl.float32)
     w = _dequant_values(q, zb[:, :, None], s[:, :, None], HALF, dtype)
-    offs_k = tl.multiple_of(k0, PER_WORD)[None, :, None] + o[None, None, :]
+    offs_k = ch[:, None] * 32 + e[None, :]
     rows = out_ptr + offs_n.to(tl.int64)[:, None, None] * K
-    tl.store(rows + offs_k, w, mask=ok[:, :, None] & (offs_k < K))
+    tl.store(rows + offs_k[None, :, :], w, mask=ok & (offs_k < K)[None, :, :])
 
 
-def dequantize(mw: MmaWeights, dtype: torch.dtype, block_n: int = 32, block_w: int = 32) -> torch.Tensor:
+def dequantize(mw: MmaWeights, dtype: torch.dtype, block_n: int = 32, chunks: int = 16,
+               num_warps: int = 4) -> torch.Tensor:
     """W [N, K] in `dtype` from the mma layout, for the dequantize-then-cuBLAS path (pure Triton: runs
     under TRITON_INTERPRET too)."""
     n, k = mw.out_features, mw.in_features
     kw, g = mw.qweight.shape[1], mw.scales.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=mw.qweight.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(kw, block_w))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, 32), chunks))
     dequant_mma_kernel[grid](mw.qweight, mw.scales, mw.zeros, out, n, k, kw, g, group_size=mw.group_size,
-                             BITS=mw.bits, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+                             BITS=mw.bits, BLOCK_N=block_n, CHUNKS=chunks, num_warps=num_warps)
     return out
 
 
