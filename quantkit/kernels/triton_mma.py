@@ -379,58 +379,54 @@ def gemv(
 
 @triton.jit
 def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl.constexpr,
-                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
-    """W [N, K] from the mma layout: a [BLOCK_N, CHUNKS, 32] block in input order per program (as the
-    block-planar dequantize kernel does), each value gathered from its word. The 32 inputs of a chunk
-    come from 4 words (W4) or 8 (W8) that the thread re-reads from L1, and leave in 16-byte stores."""
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr):
+    """W [N, K] from the mma layout, BLOCK_N rows × TILES 128-input tiles per program. Per (row, tile)
+    the words are loaded contiguously and split into their values [t, c, 8]: W4 word 4·t + c holds
+    inputs 32·c + 8·t + (0…7) (the nibble for input offset o is o with its three bits reversed:
+    W4_ORDER is its own inverse), W8 words 8·t + 2·c + h hold 32·c + 8·t + 4·h + (0…3) in byte order.
+    Permuting [t, c] to [c, t] puts the tile in input order; a tile lies in one group."""
     pid_n = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    pid_t = tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    WPT: tl.constexpr = 128 // PER_WORD  # words per row and tile
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     HALF: tl.constexpr = dtype == tl.float16
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    ch = pid_c * CHUNKS + tl.arange(0, CHUNKS)  # chunk: inputs 32·ch … 32·ch + 31
-    e = tl.arange(0, 32)
-    tile = ch // 4
-    c = ch % 4
+    R: tl.constexpr = BLOCK_N * TILES
+    i = tl.arange(0, R)
+    n = pid_n * BLOCK_N + i // TILES
+    tile = pid_t * TILES + i % TILES
+    ok = (n < N) & (tile < tl.cdiv(K, 128))
+    wi = tl.arange(0, WPT)
+    wt = tl.load(w_ptr + n.to(tl.int64)[:, None] * KW + (tile * WPT)[:, None] + wi[None, :], mask=ok[:, None], other=0)
+    o = tl.arange(0, PER_WORD)
     if BITS == 4:
-        # chunk c of a tile: inputs 8·t + o come from word 4·t + c, nibble bitreverse(o) (W4_ORDER)
-        word = (tile * 16 + c)[:, None] + ((e // 8) * 4)[None, :]
-        o = e % 8
         shift = ((o & 1) * 4 + ((o >> 1) & 1) * 2 + (o >> 2)) * 4
     else:
-        # inputs 8·t + 4·h + b of chunk c come from word 8·t + 2·c + h, byte b
-        word = (tile * 32 + 2 * c)[:, None] + ((e // 8) * 8 + (e % 8) // 4)[None, :]
-        shift = (e % 4) * 8
-    ok2 = n_ok[:, None] & (ch < tl.cdiv(K, 32))[None, :]
-    ok = ok2[:, :, None]
-    wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * KW + word[None, :, :], mask=ok, other=0)
-    q = (wt >> shift[None, None, :]) & ((1 << BITS) - 1)
-    gi = tl.minimum(ch * 32 // group_size, G - 1)
-    sz = offs_n[:, None] * G + gi[None, :]
-    s = tl.load(s_ptr + sz, mask=ok2, other=0.0)
-    z = tl.load(z_ptr + sz, mask=ok2, other=0).to(tl.int32)
+        shift = o * 8
+    q = (wt[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [R, words, values]
+    q = tl.reshape(tl.permute(tl.reshape(q, [R, 4, 4, 8]), (0, 2, 1, 3)), [R, 128])  # [t, c] → [c, t]
+    gi = tl.minimum(tile * 128 // group_size, G - 1)
+    s = tl.load(s_ptr + n * G + gi, mask=ok, other=0.0)
+    z = tl.load(z_ptr + n * G + gi, mask=ok, other=0).to(tl.int32)
     if HALF:
         zb = (z + 1024).to(tl.float16)
     else:
         zb = (z + 8388608).to(tl.float32)
         s = s.to(tl.float32)
-    w = _dequant_values(q, zb[:, :, None], s[:, :, None], HALF, dtype)
-    offs_k = ch[:, None] * 32 + e[None, :]
-    rows = out_ptr + offs_n.to(tl.int64)[:, None, None] * K
-    tl.store(rows + offs_k[None, :, :], w, mask=ok & (offs_k < K)[None, :, :])
+    w = _dequant_values(q, zb[:, None], s[:, None], HALF, dtype)
+    offs_k = (tile * 128)[:, None] + tl.arange(0, 128)[None, :]
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + offs_k, w, mask=ok[:, None] & (offs_k < K))
 
 
-def dequantize(mw: MmaWeights, dtype: torch.dtype, block_n: int = 32, chunks: int = 16,
-               num_warps: int = 4) -> torch.Tensor:
+def dequantize(mw: MmaWeights, dtype: torch.dtype, block_n: int = 16, tiles: int = 2, num_warps: int = 4) -> torch.Tensor:
     """W [N, K] in `dtype` from the mma layout, for the dequantize-then-cuBLAS path (pure Triton: runs
     under TRITON_INTERPRET too)."""
     n, k = mw.out_features, mw.in_features
     kw, g = mw.qweight.shape[1], mw.scales.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=mw.qweight.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, 32), chunks))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, TILE_K), tiles))
     dequant_mma_kernel[grid](mw.qweight, mw.scales, mw.zeros, out, n, k, kw, g, group_size=mw.group_size,
-                             BITS=mw.bits, BLOCK_N=block_n, CHUNKS=chunks, num_warps=num_warps)
+                             BITS=mw.bits, BLOCK_N=block_n, TILES=tiles, num_warps=num_warps)
     return out
 
 

@@ -62,7 +62,7 @@ def test_emulate_matches_reference(bits, k, gs):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequantize_kernel(triton_interpreter, bits, gs, dtype):
     mw, _, w = random_layer(33, 160 if bits == 8 else 192, bits, gs, seed=7)
-    out = tm.dequantize(mw, dtype, block_n=16, chunks=4)
+    out = tm.dequantize(mw, dtype, block_n=16, tiles=1)
     torch.testing.assert_close(out, w.to(dtype), rtol=0, atol=0)
 
 
