@@ -93,11 +93,13 @@ def main() -> None:
         mw = triton_mma.from_kernel_weights(kw)
         for dtype in (torch.float16, torch.bfloat16):
             mma_ok = triton_mma.supports(bits, kw.group_size, k, kw.scales.shape[1], dtype)
+            # the layout (and its dequantize) exists for these groups; the GEMV also needs the dtype
+            layout_ok = triton_mma.supports(bits, kw.group_size, k, kw.scales.shape[1], torch.float16)
             for m in [int(v) for v in args.ms.split(",")]:
                 x = (torch.randn(m, k, device="cuda") * 0.5).to(dtype)
                 ref = ref_fn(x).float()
                 runs = [(name, fn, kw) for name, fn in variants(m)]
-                runs += [(name, fn, mw) for name, fn in mma_variants(m) if mma_ok or name == "mma-dequant"]
+                runs += [(name, fn, mw) for name, fn in mma_variants(m) if mma_ok or (layout_ok and name == "mma-dequant")]
                 for name, fn, weights in runs:
                     y = poisoned(m, n, dtype)
                     try:

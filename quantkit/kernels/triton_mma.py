@@ -423,6 +423,8 @@ def dequantize(mw: MmaWeights, dtype: torch.dtype, block_n: int = 16, tiles: int
     under TRITON_INTERPRET too)."""
     n, k = mw.out_features, mw.in_features
     kw, g = mw.qweight.shape[1], mw.scales.shape[1]
+    if g > 1 and mw.group_size % TILE_K:
+        raise ValueError(f"the mma layout needs groups of whole {TILE_K}-input tiles, got group size {mw.group_size}")
     out = torch.empty(n, k, dtype=dtype, device=mw.qweight.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, TILE_K), tiles))
     dequant_mma_kernel[grid](mw.qweight, mw.scales, mw.zeros, out, n, k, kw, g, group_size=mw.group_size,
