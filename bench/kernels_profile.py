@@ -1,10 +1,11 @@
 """One kernel launch to profile with Nsight Compute, at M = 1 on a Llama-2-7B shape.
 
     ncu --kernel-name regex:gemv_kernel --launch-skip 3 --launch-count 1 --set full \\
-        python bench/kernels_profile.py [--kernel table|mma] [--shape qkv] [--warps 4] [--split 1] [--prefetch]
+        python bench/kernels_profile.py [--kernel table|mma] [--shape qkv] [--warps 4] [--split 1] [--tiles 1]
 
 (PYTHONPATH=. from the repository root.) Launches the chosen kernel five times: `table` is the
-dispatch table's M = 1 choice, `mma` the tensor-core GEMV with the given warps, split-K and prefetch.
+dispatch table's M = 1 choice, `mma` the tensor-core GEMV with the given warps, split-K, tiles per step
+and register budget.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8), help="weight bits (W8: one group per row)")
     ap.add_argument("--warps", type=int, default=4, help="mma: warps per program")
     ap.add_argument("--split", type=int, default=1, help="mma: split-K")
-    ap.add_argument("--prefetch", action="store_true", help="mma: one-tile-deep software pipeline")
+    ap.add_argument("--tiles", type=int, default=1, choices=(1, 2, 4), help="mma: K-tiles per step")
+    ap.add_argument("--maxnreg", type=int, default=None, help="mma: register budget per thread (ptxas)")
     args = ap.parse_args()
     k, n = SHAPES[args.shape]
     kw = random_kw(k, n, args.bits, 128 if args.bits == 4 else -1)
@@ -32,7 +34,7 @@ def main() -> None:
     if args.kernel == "mma":
         mw = triton_mma.from_kernel_weights(kw)
         for _ in range(5):
-            triton_mma.gemv(x, mw, num_warps=args.warps, split_k=args.split, prefetch=args.prefetch)
+            triton_mma.gemv(x, mw, num_warps=args.warps, split_k=args.split, tiles=args.tiles, maxnreg=args.maxnreg)
     else:
         choice = dispatch.choose(args.bits, 1)
         for _ in range(5):

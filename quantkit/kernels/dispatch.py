@@ -97,7 +97,7 @@ def choose(bits: int, m: int) -> Choice:
 def mma_choice(bits: int, m: int, n: int, sms: int = 132) -> Choice:
     """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs.
 
-    Measured on the H200 (run 10 of bench/KERNELS_NOTES.md, four Llama-2-7B shapes): with one column
+    Measured on the H200 (run 11 of bench/KERNELS_NOTES.md, four Llama-2-7B shapes): with one column
     tile (M ≤ 8), GPUs full of small programs want one tile per step (qkv: N/16 = 768 row tiles, six
     4-warp programs per SM), wider layers two tiles per step with all their loads in flight (gate_up),
     and narrow ones (o, down: 256 row tiles) 8-warp programs; with two column tiles (M ≤ 16) four
