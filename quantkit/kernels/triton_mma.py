@@ -111,7 +111,7 @@ def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
                       kw.out_features)
 
 
-def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, preloaded: bool = False) -> tuple[str, str]:
+def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
     """PTX for `tiles` K-tiles of one warp, and its constraints.
 
     Operands: outputs acc[8]; inputs per tile: word addresses of rows g and g + 8, x addresses of
@@ -129,10 +129,7 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, preloa
     ops = []
     for _ in range(tiles):
         op = {}
-        if preloaded:  # the words arrive as operands (rows g then g + 8), loaded by Triton
-            op["words"] = [f"${len(cons) + i}" for i in range(2 * wpt)]
-            cons += ["r"] * (2 * wpt)
-        for name, c in ([] if preloaded else [("wa", "l"), ("wa8", "l")]) + [("xa", "l"), ("xa8", "l"), ("kl", "r"), ("s", "h"), ("s8", "h"),
+        for name, c in [("wa", "l"), ("wa8", "l"), ("xa", "l"), ("xa8", "l"), ("kl", "r"), ("s", "h"), ("s8", "h"),
                         ("z", "r"), ("z8", "r")]:
             op[name] = f"${len(cons)}"
             cons.append(c)
@@ -156,9 +153,6 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, preloa
          ".reg .s32 kt;"]
     for u, op in enumerate(ops):
         wb = 2 * wpt * u
-        if preloaded:
-            L += [f"mov.b32 w{wb + i}, {r};" for i, r in enumerate(op["words"])]
-            continue
         for v in range(wpt // 4):
             for row, addr in ((0, op["wa"]), (wpt, op["wa8"])):
                 regs = ", ".join(f"w{wb + row + 4 * v + i}" for i in range(4))
@@ -232,11 +226,11 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, preloa
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, preloaded: bool = False) -> tuple[str, str]:
+def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
     """The cached PTX and constraints of one configuration."""
-    key = (bits, col_tiles, bf16, even_k, tiles, preloaded)
+    key = (bits, col_tiles, bf16, even_k, tiles)
     if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles, preloaded)
+        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
     return _ASM[key]
 
 
@@ -259,11 +253,11 @@ def _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok,
 
 @triton.jit
 def mma_gemv_kernel(
-    x_addr, w_addr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
     TILES: tl.constexpr,
-    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr = 0,
+    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -291,30 +285,7 @@ def mma_gemv_kernel(
     zero = tl.zeros([T], dtype=tl.float32)
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
     tile = lo + warp  # warp w takes tiles lo + w, lo + w + NW, ...
-    if STAGES > 0:
-        # The words come through Triton's own pipelining (cp.async into shared memory, STAGES tiles in
-        # flight), which ptxas cannot reorder past its waits; the asm gets them as operands.
-        wi = tl.arange(0, 2 * WPT)
-        w_off = tl.where(wi < WPT, tl.minimum(row, N - 1).to(tl.int64)[:, None] * KW + (t * WPT)[:, None] + wi[None, :],
-                         tl.minimum(row + 8, N - 1).to(tl.int64)[:, None] * KW + (t * WPT)[:, None] + (wi - WPT)[None, :])
-        for it in tl.range(0, tl.cdiv(hi - lo, NW), num_stages=STAGES):
-            tl_ = lo + it * NW + warp
-            words = tl.load(w_ptr + w_off + (tl.minimum(tl_, hi - 1).to(tl.int64) * (WPT * 4))[:, None])
-            p = _tile(tl_, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size, WPT)
-            if WPT == 4:
-                w = _unstack8(words)
-                acc = tl.inline_asm_elementwise(
-                    ASM, CONS, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], p[2], p[3], p[4], p[5], p[6], p[7],
-                                p[8], acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-            else:
-                w = _unstack16(words)
-                acc = tl.inline_asm_elementwise(
-                    ASM, CONS, [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11], w[12],
-                                w[13], w[14], w[15], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
-                                acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    for _ in range(0, tl.cdiv(hi - lo, NW * TILES) if STAGES == 0 else 0):
+    for _ in range(0, tl.cdiv(hi - lo, NW * TILES)):
         p = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size, WPT)
         if TILES == 1:
             acc = tl.inline_asm_elementwise(
@@ -361,28 +332,6 @@ def mma_gemv_kernel(
 
 
 @triton.jit
-def _unstack8(x):
-    """The 8 columns of x [T, 8] as a tuple of [T] tensors, in column order."""
-    e, o = tl.split(tl.reshape(x, [x.shape[0], 4, 2]))  # columns 0, 2, 4, 6 and 1, 3, 5, 7
-    e0, e1 = tl.split(tl.reshape(e, [x.shape[0], 2, 2]))  # 0, 4 and 2, 6
-    o0, o1 = tl.split(tl.reshape(o, [x.shape[0], 2, 2]))  # 1, 5 and 3, 7
-    c0, c4 = tl.split(e0)
-    c2, c6 = tl.split(e1)
-    c1, c5 = tl.split(o0)
-    c3, c7 = tl.split(o1)
-    return (c0, c1, c2, c3, c4, c5, c6, c7)
-
-
-@triton.jit
-def _unstack16(x):
-    """The 16 columns of x [T, 16] as a tuple of [T] tensors, in column order."""
-    e, o = tl.split(tl.reshape(x, [x.shape[0], 8, 2]))
-    a = _unstack8(e)
-    b = _unstack8(o)
-    return (a[0], b[0], a[1], b[1], a[2], b[2], a[3], b[3], a[4], b[4], a[5], b[5], a[6], b[6], a[7], b[7])
-
-
-@triton.jit
 def _warp_sum(a, NW: tl.constexpr):
     return tl.sum(tl.reshape(a, [NW, 32]), axis=0)
 
@@ -402,7 +351,6 @@ def gemv(
     split_k: int = 1,
     tiles: int = 1,
     maxnreg: int | None = None,
-    stages: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 16 on the tensor cores; x fp16 (or bf16 with W4)."""
@@ -418,13 +366,11 @@ def gemv(
     ws = workspace(split_k, m, n, x.device)
     row_tiles = triton.cdiv(n, 16)
     cols = 1 if m <= 8 else 2
-    if stages:
-        tiles = 1
-    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles, preloaded=stages > 0)
+    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles)
     mma_gemv_kernel[(row_tiles, split_k)](
-        x.data_ptr(), mw.qweight.data_ptr(), mw.qweight, mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
+        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
         counters(x.device, row_tiles), m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
-        group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles, STAGES=stages,
+        group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
         SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )

@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent("""
             count += 1
 
     from quantkit.kernels import triton_mma
-    MMA = {"x_addr": "i64", "w_addr": "i64", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16",
+    MMA = {"x_addr": "i64", "w_addr": "i64", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16",
            "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
            "KW": "i32", "G": "i32", "stride_xm": "i32", "stride_om": "i32", "SPLIT_K": "i32"}
     seen = set()
@@ -70,17 +70,11 @@ SCRIPT = textwrap.dedent("""
                 for bf16, even_k in ((False, True), (bits == 4, False)):
                     asm, cons = triton_mma.asm_for(bits, 1 if m <= 8 else 2, bf16, even_k, p["tiles"])
                     ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=1 if m <= 8 else 2,
-                              NW=p["num_warps"], TILES=p["tiles"], SPLIT=True, HAS_BIAS=True, STAGES=0)
+                              NW=p["num_warps"], TILES=p["tiles"], SPLIT=True, HAS_BIAS=True)
                     opts = {"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}
                     out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=p["num_warps"], **opts)
                     assert out.asm.get("cubin"), (bits, m, p)
                     assert out.asm["ptx"].count("mma.sync") == 2 * 8 * ce["COLS"] * p["tiles"]
-    for bits in (4, 8):  # the cp.async-pipelined variant (words through shared memory)
-        asm, cons = triton_mma.asm_for(bits, 1, False, True, 1, preloaded=True)
-        ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=1, NW=4, TILES=1, SPLIT=False,
-                  HAS_BIAS=False, STAGES=3)
-        out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=4, num_stages=3)
-        assert "cp.async" in out.asm["ptx"]
     for bits in (4, 8):
         d = build(triton_mma.dequant_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
                   "out_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "G": "i32"},
