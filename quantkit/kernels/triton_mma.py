@@ -3,24 +3,27 @@
 At M = 1 a CUDA-core GEMV spends ≥ 2 instructions per weight (extract, convert, multiply-add) and in
 practice about 4. Here one warp owns 16 output rows and walks K in tiles of 128 inputs; per tile and
 thread it loads 4 words (W4) or 8 words (W8) of rows g and g + 8 (g = lane / 4) with 16-byte loads,
-turns each word into fp16 pairs with one `lop3` (W4: nibbles under the exponent of 1024, so the pair
-reads 1024 + q) or one `prmt` (W8), and hands them to `mma.sync` with fp32 accumulation. The offset
+turns each word into fp16 pairs with one `lop3` per pair (W4: nibbles under the exponent of 1024, so
+the pair reads 1024 + q; the odd nibbles are read in place as 1024 + 16·q and summed apart) or one
+`prmt` per pair (W8), and hands them to `mma.sync` with fp32 accumulation. The offset
 and the zero point leave through a second `mma` per step whose A operand is −(1024 + z) of the
 row's group: Σ (1024 + q)·x − (1024 + z)·Σ x = Σ (q − z)·x, accumulated exactly in fp32 (the products
-of fp16 values are exact). The scale multiplies once per group. About 1.1 instructions per weight.
+of fp16 values are exact). The scale multiplies once per group. The loop compiles to ≈ 1.95 SASS
+instructions per weight (W4; the CUDA-core GEMV of triton_gemv needs ≈ 3.9).
 
 The B operand's 8 columns carry 8 rows of x (16 with two mma per step), so M ≤ 8 costs what M = 1
 does. The words are repacked once at load time (`pack_mma`) so that each thread's pairs meet 4-input
 runs of x that are contiguous in memory: the thread's x for one tile is four 16-byte loads.
 
 Layout (W4): K is cut into tiles of 128 inputs; tile T of row n holds 16 words, word 4·t + c covering
-inputs 128·T + 32·c + 8·t + (0…7) with the nibble at bits 4·p holding input offset [0, 2, 4, 6, 1, 3,
-5, 7][p]. W8: 32 words per tile, word 8·t + 2·c + h covering 128·T + 32·c + 8·t + 4·h + (0…3) in
+inputs 128·T + 32·c + 8·t + (0…7) with the nibble at bits 4·p holding input offset W4_ORDER[p]
+(0, 4, 2, 6, 1, 5, 3, 7). W8: 32 words per tile, word 8·t + 2·c + h covering 128·T + 32·c + 8·t + 4·h + (0…3) in
 byte order. K is padded with zero words to whole tiles; x beyond K is never loaded.
 
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
-runs on NVIDIA GPUs only (sm_80 and later), not under TRITON_INTERPRET; `emulate` reproduces its
-register-level arithmetic in torch for the CPU tests.
+runs on NVIDIA GPUs only (sm_80 and later), not under TRITON_INTERPRET; the CPU tests execute the
+generated PTX with a small interpreter, and `emulate` reproduces the arithmetic in torch. Figures and
+the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 14–23.
 """
 
 from __future__ import annotations
@@ -117,9 +120,10 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
     Operands: outputs acc[8]; inputs per tile: word addresses of rows g and g + 8, x addresses of
     rows g and g + 8, inputs left for the thread's first chunk, the raw scales (fp16) and zero points
     (uint) of rows g and g + 8; then acc[8]. With one column tile acc[4:8] pass through.
-    The tiles' mma steps are interleaved (step 0 of every tile, then step 1, ...), so that the first
-    steps need every tile's words: ptxas schedules a load just before its first use, and this way all
-    of the warp's weight loads are in flight together instead of one tile's at a time.
+    All loads are written first and the tiles' mma steps interleaved (step 0 of every tile, then
+    step 1, ...). ptxas still schedules each load just before its first use and the independent chains
+    one after the other unless given a register budget: with `maxnreg` (set by the dispatch for
+    several tiles) all of the warp's weight loads are in flight together.
     Scales and zeros are converted here. Addresses always point at valid memory (the kernel clamps
     rows and tiles; a clamped tile has scale 0); only x beyond K is masked, and only when K is not a
     multiple of 128.
