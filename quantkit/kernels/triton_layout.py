@@ -22,8 +22,8 @@ BLOCK_WORDS = 4
 
 
 @dataclass
-class KernelWeights:
-    """One layer's weights in the kernel layout (see the module docstring)."""
+class PackedWeights:
+    """One layer's weights repacked for a kernel: integer words, fp16 scales [N, G], uint8 zeros [N, G]."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -37,6 +37,10 @@ class KernelWeights:
     def nbytes(self) -> int:
         """Bytes a kernel reads for the weight: packed integers, scales and zeros."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+
+class KernelWeights(PackedWeights):
+    """One layer's weights in the block-planar layout (see the module docstring)."""
 
 
 def pack_block_planar(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -28,14 +28,12 @@ the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from quantkit.kernels.triton_gemm import _dequant_values
-from quantkit.kernels.triton_layout import KernelWeights, unpack_block_planar
+from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, unpack_block_planar
 from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
 
 TILE_K = 128
@@ -48,22 +46,9 @@ W4_ORDER = tuple(  # input offset held by nibble p of a word
     for p in range(8))
 
 
-@dataclass
-class MmaWeights:
-    """One layer's weights in the mma layout (module docstring); scales and zeros as in KernelWeights."""
-
-    qweight: torch.Tensor  # int32 [N, tiles · words per tile]
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    bits: int
-    group_size: int
-    in_features: int
-    out_features: int
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel reads for the weight: packed integers, scales and zeros."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+class MmaWeights(PackedWeights):
+    """One layer's weights in the mma layout (module docstring): qweight int32 [N, tiles · words per
+    tile]; scales and zeros as in the block-planar layout."""
 
 
 def supports(bits: int, group_size: int, in_features: int, groups: int, dtype: torch.dtype) -> bool:
