@@ -54,32 +54,31 @@ def check(quick: bool) -> list[dict]:
     rows = []
     shapes = [(4096, 4096), (1000, 4096), (200, 11008), (136, 320)]
     families = [(4, 128, torch.float16), (4, 128, torch.bfloat16), (8, -1, torch.float16), (4, 256, torch.float16)]
-    # warps, (tiles per step, maxnreg, L2 prefetch distance), split
-    configs = list(itertools.product((4, 8), ((1, None, 0), (2, 128, 0), (4, 168, 0), (1, None, 1), (2, 128, 2)), (1, 3)))
+    # warps, (tiles per step, maxnreg), split
+    configs = list(itertools.product((4, 8), ((1, None), (2, 128), (4, 168)), (1, 3)))
     i = 0
     for bits, gs, dtype in families:
         for n, k in shapes:
             mw = random_mw(k, n, bits, gs)
             for m in (1, 3, 8, 9, 16):
-                nw, (tiles, maxnreg, pf), split = configs[i % len(configs)]
+                nw, (tiles, maxnreg), split = configs[i % len(configs)]
                 has_bias = i % 3 == 0
                 i += 1
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                 try:
-                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, split_k=split, maxnreg=maxnreg,
-                                    prefetch=pf, out=out)
+                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, split_k=split, maxnreg=maxnreg, out=out)
                     torch.cuda.synchronize()
                     err = rel_err(out, reference(x, mw, bias))
                 except Exception as exc:  # report every failure, keep checking the rest
                     err = float("inf")
                     print(f"FAILED {exc!r}"[:300])
                 row = dict(bits=bits, group_size=gs, dtype=str(dtype), n=n, k=k, m=m, warps=nw, tiles=tiles,
-                           split=split, maxnreg=maxnreg, prefetch=pf, bias=has_bias, rel_err=err)
+                           split=split, maxnreg=maxnreg, bias=has_bias, rel_err=err)
                 rows.append(row)
                 flag = "ok" if err <= 1e-2 else "FAIL"
-                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} s{split} r{maxnreg} pf{pf} "
+                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} s{split} r{maxnreg} "
                       f"bias={has_bias}: {err:.2e}", flush=True)
             if quick and n == 1000:
                 break
@@ -88,10 +87,9 @@ def check(quick: bool) -> list[dict]:
 
 def sweep(quick: bool) -> list[dict]:
     rows = []
-    # (warps, split-K, tiles per step, maxnreg, L2 prefetch distance in steps)
-    configs = [(4, 1, 1, None, 0), (8, 1, 2, 128, 0), (4, 1, 2, 128, 0), (4, 1, 4, 168, 0),
-               (4, 1, 1, None, 1), (4, 1, 1, None, 2), (8, 1, 2, 128, 1), (4, 1, 2, 128, 1), (4, 1, 2, None, 1),
-               (8, 1, 1, None, 2)]
+    # (warps, split-K, tiles per step, maxnreg)
+    configs = [(4, 1, 1, None), (8, 1, 1, None), (4, 1, 2, 128), (8, 1, 2, 128), (4, 1, 4, 168), (8, 1, 4, 168),
+               (4, 1, 2, None), (8, 1, 1, 96), (4, 2, 2, 128), (8, 2, 1, None)]
     if quick:
         configs = configs[:2]
     for bits, ms in ((4, (1, 8, 16)), (8, (1, 16))):
@@ -108,20 +106,20 @@ def sweep(quick: bool) -> list[dict]:
                 choice = dispatch.choose(bits, m)
                 told = graph_us([lambda kw=kw: dispatch.run(x, kw, None, choice) for kw in kws])
                 best = None
-                for nw, split, tiles, maxnreg, pf in configs:
+                for nw, split, tiles, maxnreg in configs:
                     try:
                         us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, split_k=split,
-                                                                     maxnreg=maxnreg, prefetch=pf) for mw in ring])
+                                                                     maxnreg=maxnreg) for mw in ring])
                     except Exception as exc:
                         print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} s{split}: {exc!r}"[:300])
                         continue
                     tbps = first.nbytes / us / 1e6
-                    rows.append({**base, "warps": nw, "tiles": tiles, "split": split, "maxnreg": maxnreg, "prefetch": pf, "us": us,
+                    rows.append({**base, "warps": nw, "tiles": tiles, "split": split, "maxnreg": maxnreg, "us": us,
                                  "tbps": tbps, "fp16_us": t16, "old_us": told, "old": choice.method})
                     if best is None or us < best[0]:
-                        best = (us, nw, tiles, split, tbps, maxnreg, pf)
+                        best = (us, nw, tiles, split, tbps, maxnreg)
                 print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | old {told:6.1f} ({choice.method}) | mma best "
-                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} s{best[3]} r{best[5]} pf{best[6]} {best[4]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
+                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} s{best[3]} r{best[5]} {best[4]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
                       flush=True)
             del ring, kws, fp16
             torch.cuda.empty_cache()

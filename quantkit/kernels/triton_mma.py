@@ -99,7 +99,7 @@ def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
                       kw.out_features)
 
 
-def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, prefetch: bool = False) -> tuple[str, str]:
+def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
     """PTX for `tiles` K-tiles of one warp, and its constraints.
 
     Operands: outputs acc[8]; inputs per tile: word addresses of rows g and g + 8, x addresses of
@@ -119,7 +119,7 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, prefet
     for _ in range(tiles):
         op = {}
         for name, c in [("wa", "l"), ("wa8", "l"), ("xa", "l"), ("xa8", "l"), ("kl", "r"), ("s", "h"), ("s8", "h"),
-                        ("z", "r"), ("z8", "r")] + ([("pf", "l"), ("pf8", "l")] if prefetch else []):
+                        ("z", "r"), ("z8", "r")]:
             op[name] = f"${len(cons)}"
             cons.append(c)
         ops.append(op)
@@ -140,8 +140,6 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, prefet
          + ", ".join(f"{z}_{u}" for z in ("zg", "zg8", "zh", "zh8") for u in range(tiles)) + ";",
          f".reg .f32 d<{n_acc * tiles}>, e<{n_acc * tiles}>, sg, sg8;",
          ".reg .s32 kt;"]
-    for op in ops if prefetch else []:  # a later tile's lines into L2: no register, nothing waits on it
-        L += [f"prefetch.global.L2 [{op['pf']}];", f"prefetch.global.L2 [{op['pf8']}];"]
     for u, op in enumerate(ops):
         wb = 2 * wpt * u
         for v in range(wpt // 4):
@@ -217,11 +215,11 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, prefet
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, prefetch: bool = False) -> tuple[str, str]:
+def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
     """The cached PTX and constraints of one configuration."""
-    key = (bits, col_tiles, bf16, even_k, tiles, prefetch)
+    key = (bits, col_tiles, bf16, even_k, tiles)
     if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles, prefetch)
+        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
     return _ASM[key]
 
 
@@ -248,7 +246,7 @@ def mma_gemv_kernel(
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
     TILES: tl.constexpr,
-    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PF: tl.constexpr = 0,
+    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -278,18 +276,19 @@ def mma_gemv_kernel(
     tile = lo + warp  # warp w takes tiles lo + w, lo + w + NW, ...
     for _ in range(0, tl.cdiv(hi - lo, NW * TILES)):
         p = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size, WPT)
-        if PF > 0:  # the tiles PF steps ahead, prefetched into L2 (clamped to the last tile)
-            f = tl.minimum(tile + PF * NW * TILES, hi - 1).to(tl.int64) * (WPT * 16)
-            p = p + (w_row + f, w_row8 + f)
         if TILES == 1:
-            acc = _mma_step1(p, acc, ASM, CONS, PF)
+            acc = tl.inline_asm_elementwise(
+                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
+                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         elif TILES == 2:
             q = _tile(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
                       group_size, WPT)
-            if PF > 0:
-                f = tl.minimum(tile + NW + PF * NW * TILES, hi - 1).to(tl.int64) * (WPT * 16)
-                q = q + (w_row + f, w_row8 + f)
-            acc = _mma_step2(p, q, acc, ASM, CONS, PF)
+            acc = tl.inline_asm_elementwise(
+                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
+                            q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
+                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         else:
             q = _tile(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
                       group_size, WPT)
@@ -322,40 +321,6 @@ def mma_gemv_kernel(
 
 
 @triton.jit
-def _mma_step1(p, acc, ASM: tl.constexpr, CONS: tl.constexpr, PF: tl.constexpr):
-    """One tile's asm call (with the prefetch addresses when PF)."""
-    if PF > 0:
-        out = tl.inline_asm_elementwise(
-            ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10],
-                        acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    else:
-        out = tl.inline_asm_elementwise(
-            ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
-                        acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    return out
-
-
-@triton.jit
-def _mma_step2(p, q, acc, ASM: tl.constexpr, CONS: tl.constexpr, PF: tl.constexpr):
-    """Two tiles' asm call (with the prefetch addresses when PF)."""
-    if PF > 0:
-        out = tl.inline_asm_elementwise(
-            ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10],
-                        q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10],
-                        acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    else:
-        out = tl.inline_asm_elementwise(
-            ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
-                        q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
-                        acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    return out
-
-
-@triton.jit
 def _warp_sum(a, NW: tl.constexpr):
     return tl.sum(tl.reshape(a, [NW, 32]), axis=0)
 
@@ -375,7 +340,6 @@ def gemv(
     split_k: int = 1,
     tiles: int = 1,
     maxnreg: int | None = None,
-    prefetch: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 16 on the tensor cores; x fp16 (or bf16 with W4)."""
@@ -391,13 +355,11 @@ def gemv(
     ws = workspace(split_k, m, n, x.device)
     row_tiles = triton.cdiv(n, 16)
     cols = 1 if m <= 8 else 2
-    if tiles == 4:
-        prefetch = 0  # not wired for four tiles per step
-    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles, prefetch > 0)
+    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles)
     mma_gemv_kernel[(row_tiles, split_k)](
         x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
         counters(x.device, row_tiles), m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
-        group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles, PF=prefetch,
+        group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
         SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
