@@ -23,7 +23,7 @@ byte order. K is padded with zero words to whole tiles; x beyond K is never load
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
 runs on NVIDIA GPUs only (sm_80 and later), not under TRITON_INTERPRET; the CPU tests execute the
 generated PTX with a small interpreter, and `emulate` reproduces the arithmetic in torch. Figures and
-the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 14–23.
+the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 14–24.
 """
 
 from __future__ import annotations
