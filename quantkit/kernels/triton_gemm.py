@@ -35,6 +35,17 @@ def _dequant_plane(wt, j, zb, s, BITS: tl.constexpr, HALF: tl.constexpr, dtype: 
 
 
 @triton.jit
+def _zero_bias_scale(s, z, HALF: tl.constexpr):
+    """(bias + z, s) for `_dequant_values`: fp16 (1024 + z, s) or fp32 (2^23 + z, s as fp32)."""
+    if HALF:
+        zb = (z + 1024).to(tl.float16)
+    else:
+        zb = (z + 8388608).to(tl.float32)
+        s = s.to(tl.float32)
+    return zb, s
+
+
+@triton.jit
 def _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size: tl.constexpr, PER_WORD: tl.constexpr,
                   HALF: tl.constexpr):
     """Scale and bias + zero [BN, len(blk)] of the 4-word blocks starting at words `blk` (a block lies in one
@@ -42,12 +53,7 @@ def _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size: tl.constexpr, 
     sz = offs_n[:, None] * G + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
     s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
     z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
-    if HALF:
-        zb = (z + 1024).to(tl.float16)
-    else:
-        zb = (z + 8388608).to(tl.float32)
-        s = s.to(tl.float32)
-    return zb, s
+    return _zero_bias_scale(s, z, HALF)
 
 
 @triton.jit

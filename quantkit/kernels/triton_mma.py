@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.triton_gemm import _dequant_values
+from quantkit.kernels.triton_gemm import _dequant_values, _zero_bias_scale
 from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, unpack_block_planar
 from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
 
@@ -275,34 +275,11 @@ def mma_gemv_kernel(
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
     tile = lo + warp  # warp w takes tiles lo + w, lo + w + NW, ...
     for _ in range(0, tl.cdiv(hi - lo, NW * TILES)):
-        p = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size, WPT)
-        if TILES == 1:
-            acc = tl.inline_asm_elementwise(
-                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
-                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        elif TILES == 2:
-            q = _tile(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                      group_size, WPT)
-            acc = tl.inline_asm_elementwise(
-                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
-                            q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
-                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        else:
-            q = _tile(tile + NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                      group_size, WPT)
-            r = _tile(tile + 2 * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                      group_size, WPT)
-            u = _tile(tile + 3 * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
-                      group_size, WPT)
-            acc = tl.inline_asm_elementwise(
-                ASM, CONS, [p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8],
-                            q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
-                            r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8],
-                            u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8],
-                            acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]],
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        ops = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size, WPT)
+        for u in tl.static_range(1, TILES):
+            ops = ops + _tile(tile + u * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K,
+                              G, group_size, WPT)
+        acc = tl.inline_asm_elementwise(ASM, CONS, ops + acc, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         tile += NW * TILES
     # Sum the warps' K slices; lane (g, t) then holds rows g and g + 8 for x rows 2t and 2t + 1.
     lane32 = tl.arange(0, 32)
@@ -395,13 +372,8 @@ def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl
     q = (wt[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [R, words, values]
     q = tl.reshape(tl.permute(tl.reshape(q, [R, 4, 4, 8]), (0, 2, 1, 3)), [R, 128])  # [t, c] → [c, t]
     gi = tl.minimum(tile * 128 // group_size, G - 1)
-    s = tl.load(s_ptr + n * G + gi, mask=ok, other=0.0)
-    z = tl.load(z_ptr + n * G + gi, mask=ok, other=0).to(tl.int32)
-    if HALF:
-        zb = (z + 1024).to(tl.float16)
-    else:
-        zb = (z + 8388608).to(tl.float32)
-        s = s.to(tl.float32)
+    zb, s = _zero_bias_scale(tl.load(s_ptr + n * G + gi, mask=ok, other=0.0),
+                             tl.load(z_ptr + n * G + gi, mask=ok, other=0).to(tl.int32), HALF)
     w = _dequant_values(q, zb[:, None], s[:, None], HALF, dtype)
     offs_k = (tile * 128)[:, None] + tl.arange(0, 128)[None, :]
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + offs_k, w, mask=ok[:, None] & (offs_k < K))
