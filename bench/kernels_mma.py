@@ -153,12 +153,92 @@ def floor() -> list[dict]:
     return rows
 
 
+RING_CONFIGS = {4: [(4, 2), (4, 3), (4, 4), (4, 6), (4, 8), (8, 2), (8, 3), (8, 4)],
+                8: [(4, 2), (4, 3), (4, 4), (8, 2)]}  # (warps, stages): the static ring stays under 48 KB
+
+
+def check_ring() -> list[dict]:
+    """The ring kernel (gemv_ring) on every family, shape, M and configuration, NaN-poisoned output."""
+    rows = []
+    shapes = [(4096, 4096), (1000, 4096), (200, 11008), (136, 320), (24, 1152)]
+    families = [(4, 128, torch.float16), (4, 128, torch.bfloat16), (8, -1, torch.float16), (4, 256, torch.float16)]
+    i = 0
+    for bits, gs, dtype in families:
+        for n, k in shapes:
+            mw = random_mw(k, n, bits, gs)
+            for m in (1, 3, 8, 9, 16):
+                nw, stages = RING_CONFIGS[bits][i % len(RING_CONFIGS[bits])]
+                has_bias = i % 3 == 0
+                i += 1
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
+                ref = reference(x, mw, bias)
+                kernels = {
+                    "ring": lambda out: triton_mma.gemv_ring(x, mw, bias, num_warps=nw, stages=stages, out=out),
+                    "ring blocked": lambda out: triton_mma.gemv_ring(x, mw, bias, num_warps=nw, stages=stages,
+                                                                     blocked=True, out=out),
+                    "tile blocked": lambda out: triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=1 + i % 2,
+                                                                maxnreg=128 if i % 2 else None, blocked=True, out=out),
+                }
+                for name, fn in kernels.items():
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                    try:
+                        fn(out)
+                        torch.cuda.synchronize()
+                        err = rel_err(out, ref)
+                    except Exception as exc:
+                        err = float("inf")
+                        print(f"FAILED {exc!r}"[:300])
+                    rows.append(dict(kernel=name, bits=bits, group_size=gs, dtype=str(dtype), n=n, k=k, m=m, warps=nw,
+                                     stages=stages, bias=has_bias, rel_err=err))
+                    print(f"{'ok' if err <= 1e-2 else 'FAIL'} {name} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} "
+                          f"S{stages} bias={has_bias}: {err:.2e}", flush=True)
+    return rows
+
+
+def sweep_ring() -> list[dict]:
+    """Ring configurations against the dispatch's current mma choice and fp16, four shapes."""
+    rows = []
+    for bits, ms in ((4, (1, 4, 8, 16)), (8, (1, 16))):
+        gs = 128 if bits == 4 else -1
+        for shape, (k, n) in SHAPES.items():
+            first = random_mw(k, n, bits, gs)
+            ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
+            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
+            nbytes = first.qweight.numel() * 4 + triton_mma.pack_sz(first).numel() * 2
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
+                choice = dispatch.mma_choice(bits, m, n)
+                told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
+                tblk = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, blocked=True, **choice.params) for mw in ring])
+                line = f"W{bits} {shape:7} M={m:2}: fp16 {t16:5.1f} | now {told:5.1f} | now blocked {tblk:5.1f} |"
+                variants = [(nw, st, False) for nw, st in RING_CONFIGS[bits] if st <= 3]
+                variants += [(nw, st, True) for nw, st in RING_CONFIGS[bits]]
+                for nw, stages, blocked in variants:
+                    try:
+                        us = graph_us([lambda mw=mw: triton_mma.gemv_ring(x, mw, num_warps=nw, stages=stages,
+                                                                          blocked=blocked) for mw in ring])
+                    except Exception as exc:
+                        print(f"FAILED ring W{bits} {shape} M={m} w{nw} S{stages} b{blocked}: {exc!r}"[:300])
+                        continue
+                    rows.append({"shape": shape, "bits": bits, "m": m, "warps": nw, "stages": stages,
+                                 "blocked": blocked, "us": us, "tbps": nbytes / us / 1e6, "fp16_us": t16,
+                                 "now_us": told, "now_blocked_us": tblk})
+                    line += f" {'B' if blocked else ''}w{nw}S{stages} {us:5.1f}"
+                print(line, flush=True)
+            del ring, fp16
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="directory for mma.json")
     ap.add_argument("--quick", action="store_true", help="fewer checks and configurations")
     ap.add_argument("--skip-check", action="store_true", help="timing only")
     ap.add_argument("--floor", action="store_true", help="only the time-against-K series (launch floor)")
+    ap.add_argument("--ring", action="store_true", help="only the ring kernel: its checks and its configurations")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -166,6 +246,13 @@ def main() -> None:
     if args.floor:
         res["floor"] = floor()
         (args.out / "floor.json").write_text(json.dumps(res, indent=1))
+        return
+    if args.ring:
+        res["check"] = check_ring()
+        bad = [r for r in res["check"] if not r["rel_err"] <= 1e-2]
+        print(f"ring checks: {len(res['check'])}, failures {len(bad)}", flush=True)
+        res["sweep"] = sweep_ring()
+        (args.out / "ring.json").write_text(json.dumps(res, indent=1))
         return
     if not args.skip_check:
         res["check"] = check(args.quick)

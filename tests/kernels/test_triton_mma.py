@@ -9,14 +9,12 @@ kernel computes them. That checks the layout, the generator and the address sche
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
 import pytest
 import torch
 
 from quantkit.kernels import triton_mma as tm
 from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
+from ptx_interp import Cta
 
 
 def random_layer(n: int, k: int, bits: int, gs: int, seed: int = 0):
@@ -74,120 +72,26 @@ def test_supports():
     assert not tm.supports(4, 64, 4096, 64, torch.float16)
 
 
-# --- a warp-level interpreter for the generated PTX -------------------------------------------------
-
-def _h2f(bits: int, bf16: bool) -> float:
-    if bf16:
-        return float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
-    return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
-
-
-def run_warp(asm: str, lane_inputs: list[list], memory: dict[int, int], bf16: bool) -> list[list[float]]:
-    """Execute `asm` for 32 lanes; lane_inputs[l] are the values of $8, $9, … (after 8 outputs)."""
-    regs = [dict() for _ in range(32)]
-    for lane in range(32):
-        for i, v in enumerate(lane_inputs[lane]):
-            regs[lane][f"${8 + i}"] = v
-
-    def val(lane, tok):
-        tok = tok.strip()
-        if tok in regs[lane]:
-            return regs[lane][tok]
-        if tok.startswith("0f"):
-            return float(np.array([int(tok[2:], 16)], dtype=np.uint32).view(np.float32)[0])
-        return int(tok, 0)
-
-    body = [ln.strip().rstrip(";") for ln in asm.splitlines()]
-    for line in body:
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        if line.startswith("mma.sync"):
-            groups = re.findall(r"\{([^}]*)\}", line)
-            d, a, b, c = ([t.strip() for t in grp.split(",")] for grp in groups)
-            A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-            for lane in range(32):
-                g, t = divmod(lane, 4)
-                av = [val(lane, r) for r in a]
-                for r, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-                    A[row, col] = _h2f(av[r] & 0xFFFF, bf16)
-                    A[row, col + 1] = _h2f(av[r] >> 16, bf16)
-                bv = [val(lane, r) for r in b]
-                for r, row in enumerate([2 * t, 2 * t + 8]):
-                    B[row, g] = _h2f(bv[r] & 0xFFFF, bf16)
-                    B[row + 1, g] = _h2f(bv[r] >> 16, bf16)
-                for r, (row, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
-                    C[row, col] = val(lane, c[r])
-            D = (A @ B + C).astype(np.float32)
-            for lane in range(32):
-                g, t = divmod(lane, 4)
-                for r, (row, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
-                    regs[lane][d[r]] = float(D[row, col])
-            continue
-        pred = None
-        if line.startswith("@"):
-            pred, line = line[1:].split(" ", 1)
-        op, rest = line.split(" ", 1)
-        for lane in range(32):
-            r = regs[lane]
-            if pred is not None and not r[pred]:
-                continue
-            if op.startswith("ld.global"):
-                dst, addr, off = re.match(r"\{([^}]*)\},\s*\[([^+\]]+)\+(\d+)\]", rest).groups()
-                base = val(lane, addr) + int(off)
-                for i, name in enumerate(dst.split(",")):
-                    r[name.strip()] = memory[base + 4 * i]
-                continue
-            args = [a.strip() for a in rest.split(",")]
-            if op in ("mov.b32", "mov.f32"):
-                r[args[0]] = val(lane, args[1])
-            elif op == "sub.s32":
-                r[args[0]] = val(lane, args[1]) - val(lane, args[2])
-            elif op == "setp.gt.s32":
-                r[args[0]] = val(lane, args[1]) > val(lane, args[2])
-            elif op == "shr.b32":
-                r[args[0]] = (val(lane, args[1]) & 0xFFFFFFFF) >> val(lane, args[2])
-            elif op == "shl.b32":
-                r[args[0]] = (val(lane, args[1]) << val(lane, args[2])) & 0xFFFFFFFF
-            elif op == "or.b32":
-                r[args[0]] = (val(lane, args[1]) | val(lane, args[2])) & 0xFFFFFFFF
-            elif op == "lop3.b32":
-                assert args[4] == "0xEA"  # (a & b) | c
-                r[args[0]] = ((val(lane, args[1]) & val(lane, args[2])) | val(lane, args[3])) & 0xFFFFFFFF
-            elif op == "prmt.b32":
-                r[args[0]] = _prmt(val(lane, args[1]) & 0xFFFFFFFF, val(lane, args[2]) & 0xFFFFFFFF, val(lane, args[3]))
-            elif op == "cvt.f32.f16":
-                r[args[0]] = _h2f(val(lane, args[1]), False)
-            elif op == "fma.rn.f32":
-                r[args[0]] = float(np.float32(val(lane, args[1])) * np.float32(val(lane, args[2]))
-                                   + np.float32(val(lane, args[3])))
-            else:
-                raise AssertionError(f"interpreter lacks {op}")
-    return [[regs[lane][f"${i}"] for i in range(8)] for lane in range(32)]
-
-
-@pytest.mark.parametrize("bits,m,tiles,k,bf16", [
-    (4, 1, 1, 128, False), (4, 3, 2, 256, False), (4, 11, 1, 128, False), (8, 5, 2, 256, False),
-    (4, 2, 1, 96, False), (4, 4, 2, 256, True), (8, 16, 1, 128, False),
+@pytest.mark.parametrize("bits,m,tiles,k,bf16,blocked", [
+    (4, 1, 1, 128, False, False), (4, 3, 2, 256, False, False), (4, 11, 1, 128, False, False),
+    (8, 5, 2, 256, False, False), (4, 2, 1, 96, False, False), (4, 4, 2, 256, True, False),
+    (8, 16, 1, 128, False, False), (4, 3, 2, 256, False, True), (8, 9, 2, 256, False, True),
 ])
-def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
+def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16, blocked):
     n, gs = 16, 128
     mw, _, w = random_layer(n, k, bits, gs, seed=m)
     dtype = torch.bfloat16 if bf16 else torch.float16
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     cols = 1 if m <= 8 else 2
     even_k = k % 128 == 0
-    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles)
+    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles, blocked)
     assert len(cons.split(",")) == 8 + 9 * tiles + 8
     # memory: words at 0x100000, x (padded with garbage past K, never read when K is odd) at 0x800000
     memory: dict[int, int] = {}
     wbase, xbase = 0x100000, 0x800000
     kw_words = mw.qweight.shape[1]
-    for i, v in enumerate(mw.qweight.flatten().tolist()):
+    words = tm.pack_blocked(mw.qweight, bits) if blocked else mw.qweight
+    for i, v in enumerate(words.flatten().tolist()):
         memory[wbase + 4 * i] = v & 0xFFFFFFFF
     kp = -(-k // 128) * 128
     xbits = x.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -204,9 +108,13 @@ def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
         for u in range(tiles):  # the kernel's _tile(), warp 0 of a one-warp program
             tile = u
             gi = tile * 128 // gs
-            ins += [wbase + g * kw_words * 4 + t * wpt * 4 + tile * wpt * 16,
-                    wbase + (g + 8) * kw_words * 4 + t * wpt * 4 + tile * wpt * 16,
-                    xbase + min(g, m - 1) * (kp + 8) * 2 + t * 16 + tile * 256,
+            if blocked:
+                wa = wbase + lane * 16 + tile * wpt * 256
+                ins += [wa, wa + wpt * 128]
+            else:
+                ins += [wbase + g * kw_words * 4 + t * wpt * 4 + tile * wpt * 16,
+                        wbase + (g + 8) * kw_words * 4 + t * wpt * 4 + tile * wpt * 16]
+            ins += [xbase + min(g, m - 1) * (kp + 8) * 2 + t * 16 + tile * 256,
                     xbase + min(g + 8, m - 1) * (kp + 8) * 2 + t * 16 + tile * 256,
                     k - tile * 128 - t * 8,
                     int(mw.scales[g, gi].view(torch.int16)) & 0xFFFF,
@@ -214,7 +122,7 @@ def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
                     int(mw.zeros[g, gi]), int(mw.zeros[g + 8, gi])]
         ins += [0.0] * 8
         lanes.append(ins)
-    out = run_warp(asm, lanes, memory, bf16)
+    out = Cta(asm, lanes, memory, bf16).run()
     ref = x.float() @ w[:, : tiles * 128].t() if k >= tiles * 128 else x.float() @ w.t()
     got = torch.zeros(m, n)
     for lane in range(32):
@@ -224,3 +132,98 @@ def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
                 if col + 8 * nt < m:
                     got[col + 8 * nt, row] = out[lane][4 * nt + i]
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+
+
+def _store(memory: dict[int, int], base: int, t: torch.Tensor) -> None:
+    """Tensor bytes at `base`, as the 32-bit little-endian words the interpreter reads."""
+    data = t.contiguous().view(torch.uint8).flatten().tolist()
+    data += [0] * (-len(data) % 4)
+    for i in range(0, len(data), 4):
+        memory[base + i] = data[i] | data[i + 1] << 8 | data[i + 2] << 16 | data[i + 3] << 24
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_blocked_places_each_threads_words(bits):
+    mw, _, _ = random_layer(24, 384, bits, 128, seed=5)
+    wpt = 4 if bits == 4 else 8
+    b = tm.pack_blocked(mw.qweight, bits)
+    assert b.shape == (2, 3 * 64 * wpt)
+    for r, tile, h, v, g, t in [(0, 0, 0, 0, 0, 0), (1, 2, 0, wpt // 4 - 1, 5, 3), (0, 1, 1, 0, 7, 2)]:
+        block = b[r, tile * 64 * wpt:(tile + 1) * 64 * wpt].reshape(2, wpt // 4, 32, 4)
+        row = 16 * r + 8 * h + g
+        assert torch.equal(block[h, v, 4 * g + t], mw.qweight[row, tile * 4 * wpt + t * wpt + 4 * v:][:4])
+    assert torch.all(b[1, : 64 * wpt].reshape(2, wpt // 4, 32, 4)[1] == 0)  # rows 24…31 past N are zero
+
+
+def test_pack_sz_entries():
+    mw, _, _ = random_layer(24, 384, 4, 128, seed=3)
+    sz = tm.pack_sz(mw)
+    assert sz.shape == (2, 3, 8, 4) and sz.dtype == torch.int16
+    # row tile 1, tile 2, g = 5: rows 21 and 29 (past N = 24: zero)
+    assert sz[1, 2, 5, 0] == mw.scales[21, 2].view(torch.int16)
+    assert sz[1, 2, 5, 2] == int(mw.zeros[21, 2])
+    assert sz[1, 2, 5, 1] == 0 and sz[1, 2, 5, 3] == 0
+    per_channel, _, _ = random_layer(16, 256, 8, 256, seed=4)
+    assert torch.equal(tm.pack_sz(per_channel)[0, 0], tm.pack_sz(per_channel)[0, 1])
+
+
+@pytest.mark.parametrize("bits,m,k,bf16,stages,warps,n,pid,blocked", [
+    (4, 1, 1152, False, 3, 2, 16, 0, False),  # 9 tiles: warps take 5 and 4, the ring wraps
+    (4, 1, 1152, False, 2, 2, 16, 0, True),
+    (4, 3, 384, False, 2, 2, 32, 1, True),    # second row tile
+    (4, 11, 200, False, 2, 2, 24, 1, False),  # two column tiles, odd K, rows past N
+    (4, 11, 200, False, 3, 2, 24, 1, True),
+    (4, 2, 128, True, 3, 2, 16, 0, True),     # bf16; warp 1 has no tile
+    (8, 5, 768, False, 4, 1, 16, 0, False),
+    (8, 16, 256, False, 2, 2, 16, 0, False),
+    (8, 9, 640, False, 2, 2, 24, 1, True),
+])
+def test_ring_ptx_computes_the_rows(bits, m, k, bf16, stages, warps, n, pid, blocked):
+    """The ring kernel's asm, run for every warp of one program with its inputs computed as
+    mma_ring_kernel computes them, gives the program's 16 rows of x · Wᵀ."""
+    mw, _, w = random_layer(n, k, bits, 128 if bits == 4 else k, seed=m + k)
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cols = 1 if m <= 8 else 2
+    asm, cons = tm.ring_asm_for(bits, cols, bf16, k % 128 == 0, stages, warps, blocked)
+    assert len(cons.split(",")) == 8 + 7
+    memory: dict[int, int] = {}
+    wbase, xbase, szbase = 0x100000, 0x800000, 0xC00000
+    words = tm.pack_blocked(mw.qweight, bits) if blocked else mw.qweight
+    _store(memory, wbase, words)
+    kp = -(-k // 128) * 128
+    xpad = torch.full((m, kp + 8), float("nan"), dtype=dtype)  # NaN past K: must not be read
+    xpad[:, :k] = x
+    _store(memory, xbase, xpad)
+    _store(memory, szbase, tm.pack_sz(mw))
+    kw_words, wpt, n_tiles = mw.qweight.shape[1], 4 if bits == 4 else 8, kp // 128
+    inputs = []
+    for e in range(32 * warps):
+        warp, lane = divmod(e, 32)
+        g, t = divmod(lane, 4)
+        row = pid * 16 + g
+        if blocked:
+            wa = wbase + pid * words.shape[1] * 4 + lane * 16 + warp * wpt * 256
+            wa8 = wa + wpt * 128
+        else:
+            wa = wbase + min(row, n - 1) * kw_words * 4 + t * wpt * 4 + warp * wpt * 16
+            wa8 = wbase + min(row + 8, n - 1) * kw_words * 4 + t * wpt * 4 + warp * wpt * 16
+        inputs.append([
+            wa, wa8,
+            xbase + min(g, m - 1) * (kp + 8) * 2 + t * 16 + warp * 256,
+            xbase + min(g + 8, m - 1) * (kp + 8) * 2 + t * 16 + warp * 256,
+            szbase + ((pid * n_tiles + warp) * 8 + g) * 8,
+            max(n_tiles - warp + warps - 1, 0) // warps,
+            k - warp * 128 - t * 8,
+        ])
+    out = Cta(asm, inputs, memory, bf16).run()
+    got = torch.full((m, n), float("nan"))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for nt in range(cols):
+            for i, (r, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
+                if col + 8 * nt < m and pid * 16 + r < n:
+                    got[col + 8 * nt, pid * 16 + r] = sum(out[32 * wi + lane][4 * nt + i] for wi in range(warps))
+    rows = slice(pid * 16, min(pid * 16 + 16, n))
+    ref = x.float() @ w.t()
+    torch.testing.assert_close(got[:, rows], ref[:, rows], rtol=2e-3, atol=2e-3)
