@@ -58,8 +58,8 @@ def supports(bits: int, group_size: int, in_features: int, groups: int, dtype: t
     return whole and in_features % 8 == 0 and (dtype == torch.float16 or (dtype == torch.bfloat16 and bits == 4))
 
 
-def pack_mma(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integers q [N, K] in 0..2^b−1 → int32 [N, words] in the mma layout."""
+def _row_words(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers q [N, K] → int32 [N, tiles · 4 · wpt]: each row's words in tile order (module docstring)."""
     n, k = q.shape
     kp = -(-k // TILE_K) * TILE_K
     v = torch.zeros(n, kp, dtype=torch.int64, device=q.device)
@@ -75,14 +75,35 @@ def pack_mma(q: torch.Tensor, bits: int) -> torch.Tensor:
         shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=q.device)
         words = (v << shifts).sum(-1)  # [N, T, t, c, h]
     words = words - (words >= 2**31).to(torch.int64) * 2**32
-    return words.to(torch.int32).reshape(n, -1).contiguous()
+    return words.to(torch.int32).reshape(n, -1)
 
 
-def unpack_mma(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """The inverse of `pack_mma` (for tests): int64 [N, K]."""
-    n = qweight.shape[0]
+def _blocks(words: torch.Tensor, bits: int, inverse: bool = False, n: int = 0) -> torch.Tensor:
+    """Row words [N, KW] ↔ blocks [row tiles, KW · 16] (`inverse`: back to [n, KW])."""
+    wpt = 4 if bits == 4 else 8
+    if inverse:
+        rt, per = words.shape
+        kt = per // (64 * wpt)
+        w = words.reshape(rt, kt, 2, wpt // 4, 8, 4, 4).permute(0, 2, 4, 1, 5, 3, 6)  # [r, half, g, T, t, v, i]
+        return w.reshape(rt * 16, kt * 4 * wpt)[:n]
+    rows, kw = -(-words.shape[0] // 16) * 16, words.shape[1]
+    w = torch.zeros(rows, kw, dtype=torch.int32, device=words.device)
+    w[:words.shape[0]] = words
+    kt = kw // (4 * wpt)
+    w = w.reshape(rows // 16, 2, 8, kt, 4, wpt // 4, 4).permute(0, 3, 1, 5, 2, 4, 6)  # [r, T, half, v, g, t, i]
+    return w.reshape(rows // 16, kt * 64 * wpt).contiguous()
+
+
+def pack_mma(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers q [N, K] in 0..2^b−1 → int32 [row tiles, words] in the mma layout."""
+    return _blocks(_row_words(q, bits), bits)
+
+
+def unpack_mma(qweight: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor:
+    """The inverse of `pack_mma` (for tests and checks): int64 [n, K]."""
+    words = _blocks(qweight, bits, inverse=True, n=n)
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=qweight.device)
-    vals = (qweight.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)  # [N, words, per word]
+    vals = (words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)  # [N, words, per word]
     if bits == 4:
         vals = vals.reshape(n, -1, 4, 4, 8)  # (T, t, c, nibble)
         inv = torch.tensor([W4_ORDER.index(o) for o in range(8)], device=qweight.device)
@@ -99,7 +120,7 @@ def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
                       kw.out_features)
 
 
-def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, blocked: bool = False) -> tuple[str, str]:
+def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
     """PTX for `tiles` K-tiles of one warp, and its constraints.
 
     Operands: outputs acc[8]; inputs per tile: word addresses of rows g and g + 8, x addresses of
@@ -141,7 +162,7 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, blocke
         for v in range(wpt // 4):
             for row, addr in ((0, op["wa"]), (wpt, op["wa8"])):
                 regs = ", ".join(f"w{wb + row + 4 * v + i}" for i in range(4))
-                L.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{(512 if blocked else 16) * v}];")
+                L.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{512 * v}];")
     for u, op in enumerate(ops):
         L += _x_loads(col_tiles, even_k, u, op["xa"], op["xa8"], op["kl"])
         # The zero mma's A operands: −(1024 + z) (and −(1024 + 16·z) for the 16× steps) twice per word.
@@ -238,116 +259,16 @@ def _scale_into(n_acc: int, x16: bool, u: int, prev: list[str]) -> list[str]:
     return L
 
 
-def _asm_ring(bits: int, col_tiles: int, bf16: bool, even_k: bool, stages: int, num_warps: int,
-              blocked: bool = False) -> tuple[str, str]:
-    """PTX for a warp's whole walk over K, its weights streamed through a ring of `stages` tiles in
-    shared memory by `cp.async`, and its constraints.
-
-    The loads of a tile are issued `stages` − 1 tiles before its mma steps, into a per-thread slot
-    that only the same thread reads back, so no barrier is needed (each thread waits on its own copy
-    groups) and the bytes in flight do not depend on registers or on where ptxas puts the loads.
-    Operands: outputs acc[8]; inputs: word addresses of rows g and g + 8, x addresses of x rows g and
-    g + 8, the address of the thread's 8-byte scale/zero entry (`pack_sz`), all at the warp's first
-    tile; the warp's tile count; inputs left at its first tile (odd K only). Tiles are `num_warps`
-    apart (warp w takes tiles w, w + num_warps, …). With one column tile acc[4:8] are zero.
-    """
-    wpt = 4 if bits == 4 else 8
-    chunks = wpt // 2  # 16-byte word chunks per thread and tile (rows g, then g + 8)
-    threads = 32 * num_warps
-    stage = chunks * threads * 16 + threads * 8
-    ring = stages * stage
-    n_acc = 4 * col_tiles
-    x16 = bits == 4 and not bf16
-    neg = "0xC300C300" if bf16 else "0xE400E400"
-    cons = ["=f"] * 8 + ["l"] * 5 + ["r", "r"]
-    wa, wa8, xa, xa8, sza, n, kl = (f"${i}" for i in range(8, 15))
-    L = ["{",
-         ".reg .pred px, pl, pq;",
-         f".reg .b32 w<{2 * wpt}>, x<{16 * col_tiles}>, a<4>, sh, kt, zt, zg_0, zg8_0, zh_0, zh8_0, sa, sb, i, j, "
-         "rd, wr, sw, ss, q, kr;",
-         f".reg .f32 d<{n_acc}>, e<{n_acc}>, sg, sg8;",
-         ".reg .b16 hs, hs8;",
-         ".reg .b64 ga, ga8, gs, gx, gx8;",
-         f".shared .align 16 .b8 qk_ring[{ring}];",
-         "mov.u32 sw, %tid.x;",
-         "shl.b32 ss, sw, 3;",
-         "shl.b32 sw, sw, 4;",
-         "mov.u32 q, qk_ring;",
-         "add.u32 sw, sw, q;",  # the thread's 16-byte word slots: + stage offset + chunk · threads · 16
-         f"add.u32 ss, ss, q;",
-         f"add.u32 ss, ss, {chunks * threads * 16};",  # its 8-byte scale/zero slot after the stage's words
-         f"mov.b64 ga, {wa};", f"mov.b64 ga8, {wa8};", f"mov.b64 gs, {sza};", f"mov.b64 gx, {xa};",
-         f"mov.b64 gx8, {xa8};", f"mov.b32 kr, {kl};", "mov.u32 wr, 0;", "mov.u32 rd, 0;"]
-    L += [f"mov.f32 ${i}, 0f00000000;" for i in range(8)]
-
-    def issue(pred: str) -> None:
-        L.append("add.u32 q, sw, wr;")
-        for row, addr in enumerate(("ga", "ga8")):
-            for v in range(wpt // 4):
-                chunk = row * (wpt // 4) + v
-                L.append(f"@{pred} cp.async.cg.shared.global [q+{chunk * threads * 16}], [{addr}+{(512 if blocked else 16) * v}], 16;")
-        L.append("add.u32 q, ss, wr;")
-        L.append(f"@{pred} cp.async.ca.shared.global [q], [gs], 8;")
-        L.append("cp.async.commit_group;")  # one group per tile, empty past the warp's last tile
-        step = num_warps * wpt * (256 if blocked else 16)
-        L.extend([f"add.s64 ga, ga, {step};", f"add.s64 ga8, ga8, {step};",
-              f"add.s64 gs, gs, {num_warps * 64};", f"add.u32 wr, wr, {stage};", f"setp.eq.u32 pq, wr, {ring};",
-              "@pq mov.u32 wr, 0;"])
-
-    for s in range(stages - 1):
-        L.append(f"setp.gt.s32 pl, {n}, {s};")
-        issue("pl")
-    L += [f"setp.le.s32 pq, {n}, 0;", "@pq bra.uni QK_DONE;", "mov.u32 i, 0;", "QK_LOOP:",
-          f"add.s32 j, i, {stages - 1};", f"setp.lt.s32 pl, j, {n};"]
-    issue("pl")
-    L += [f"cp.async.wait_group {stages - 1};", "add.u32 q, sw, rd;"]
-    for row in range(2):
-        for v in range(wpt // 4):
-            chunk = row * (wpt // 4) + v
-            regs = ", ".join(f"w{row * wpt + 4 * v + i}" for i in range(4))
-            L.append(f"ld.shared.v4.u32 {{{regs}}}, [q+{chunk * threads * 16}];")
-    L += ["add.u32 q, ss, rd;", "ld.shared.v2.u32 {sa, sb}, [q];"]
-    L += _x_loads(col_tiles, even_k, 0, "gx", "gx8", "kr")
-    # sb holds the zero points of rows g (low half) and g + 8: −(1024 + z) per half, then each half twice.
-    L += [f"or.b32 zt, sb, {neg};", "prmt.b32 zg_0, zt, zt, 0x1010;", "prmt.b32 zg8_0, zt, zt, 0x3232;"]
-    if x16:
-        L += ["shl.b32 zt, sb, 4;", f"or.b32 zt, zt, {neg};", "prmt.b32 zh_0, zt, zt, 0x1010;",
-              "prmt.b32 zh8_0, zt, zt, 0x3232;"]
-    L += _mma_steps(bits, col_tiles, bf16, 1)
-    L += ["mov.b32 {hs, hs8}, sa;", "cvt.f32.f16 sg, hs;", "cvt.f32.f16 sg8, hs8;"]
-    L += _scale_into(n_acc, x16, 0, [f"${i}" for i in range(n_acc)])
-    L += [f"add.u32 rd, rd, {stage};", f"setp.eq.u32 pq, rd, {ring};", "@pq mov.u32 rd, 0;",
-          f"add.s64 gx, gx, {num_warps * 256};", f"add.s64 gx8, gx8, {num_warps * 256};"]
-    if not even_k:
-        L.append(f"sub.s32 kr, kr, {num_warps * 128};")
-    L += ["add.s32 i, i, 1;", f"setp.lt.s32 pq, i, {n};", "@pq bra.uni QK_LOOP;", "QK_DONE:", "}"]
-    return "\n".join(L), ",".join(cons)
-
-
-def ring_smem(bits: int, stages: int, num_warps: int) -> int:
-    """Bytes of shared memory the ring kernel's asm declares."""
-    wpt = 4 if bits == 4 else 8
-    return stages * 32 * num_warps * (wpt // 2 * 16 + 8)
-
-
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, blocked: bool = False) -> tuple[str, str]:
-    """The cached PTX and constraints of one configuration of the tile-per-step kernel."""
-    key = (bits, col_tiles, bf16, even_k, tiles, blocked)
+def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
+    """The cached PTX and constraints of one configuration."""
+    key = (bits, col_tiles, bf16, even_k, tiles)
     if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles, blocked)
+        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
     return _ASM[key]
 
-
-def ring_asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, stages: int, num_warps: int,
-                 blocked: bool = False) -> tuple[str, str]:
-    """The cached PTX and constraints of one configuration of the ring kernel."""
-    key = ("ring", bits, col_tiles, bf16, even_k, stages, num_warps, blocked)
-    if key not in _ASM:
-        _ASM[key] = _asm_ring(bits, col_tiles, bf16, even_k, stages, num_warps, blocked)
-    return _ASM[key]
 
 
 @triton.jit
@@ -373,7 +294,7 @@ def mma_gemv_kernel(
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
     TILES: tl.constexpr,
-    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCKED: tl.constexpr = False,
+    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -388,13 +309,10 @@ def mma_gemv_kernel(
     row_ok = row < N
     row8_ok = row + 8 < N
     # Rows past N and x rows past M read valid memory (clamped); their outputs are never stored.
-    if BLOCKED:
-        w_row = w_addr + pid_n.to(tl.int64) * KW * 4 + lane * 16
-        w_row8 = w_row + WPT * 128
-    else:
-        w_row = w_addr + tl.minimum(row, N - 1).to(tl.int64) * KW * 4 + t * (WPT * 4)
-        w_row8 = w_addr + tl.minimum(row + 8, N - 1).to(tl.int64) * KW * 4 + t * (WPT * 4)
-    TILE_BYTES: tl.constexpr = WPT * 256 if BLOCKED else WPT * 16
+    # The program's blocks (module docstring): thread (g, t) reads bytes 16·lane of each 512-byte chunk.
+    w_row = w_addr + pid_n.to(tl.int64) * KW * 4 + lane * 16
+    w_row8 = w_row + WPT * 128
+    TILE_BYTES: tl.constexpr = WPT * 256
     x_row = x_addr + tl.minimum(g, M - 1).to(tl.int64) * stride_xm * 2 + t * 16
     x_row8 = x_addr + tl.minimum(g + 8, M - 1).to(tl.int64) * stride_xm * 2 + t * 16
     s_row = s_ptr + row * G
@@ -458,7 +376,6 @@ def gemv(
     split_k: int = 1,
     tiles: int = 1,
     maxnreg: int | None = None,
-    blocked: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 16 on the tensor cores; x fp16 (or bf16 with W4)."""
@@ -474,129 +391,13 @@ def gemv(
     ws = workspace(split_k, m, n, x.device)
     row_tiles = triton.cdiv(n, 16)
     cols = 1 if m <= 8 else 2
-    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles, blocked)
-    words = blocked_words(mw) if blocked else mw.qweight
+    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles)
     mma_gemv_kernel[(row_tiles, split_k)](
-        x.data_ptr(), words.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
-        counters(x.device, row_tiles), m, n, k, words.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
+        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
+        counters(x.device, row_tiles), m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
         group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
-        SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None, BLOCKED=blocked,
+        SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
-    )
-    return out
-
-
-def pack_sz(mw: PackedWeights) -> torch.Tensor:
-    """The ring kernel's scales and zeros: int16 [row tiles, K tiles, 8, 4], entry (r, T, g) holding
-    the fp16 scale bits of rows 16·r + g and 16·r + g + 8 for tile T, then their zero points."""
-    n, k = mw.out_features, mw.in_features
-    kt = -(-k // TILE_K)
-    groups = mw.scales.shape[1]
-    gi = torch.clamp(torch.arange(kt, device=mw.scales.device) * TILE_K // max(mw.group_size, 1), max=groups - 1)
-    rows = -(-n // 16) * 16
-    s = torch.zeros(rows, kt, dtype=torch.int16, device=mw.scales.device)
-    z = torch.zeros_like(s)
-    s[:n] = mw.scales[:, gi].contiguous().view(torch.int16)
-    z[:n] = mw.zeros[:, gi].to(torch.int16)
-    s = s.reshape(rows // 16, 2, 8, kt).permute(0, 3, 2, 1)  # [r, T, g, half]
-    z = z.reshape(rows // 16, 2, 8, kt).permute(0, 3, 2, 1)
-    return torch.cat([s, z], dim=-1).contiguous()
-
-
-@triton.jit
-def mma_ring_kernel(
-    x_addr, w_addr, sz_addr, bias_ptr, out_ptr, M, N, K, KW, stride_xm, stride_om,
-    ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCKED: tl.constexpr = False,
-):
-    """One program per 16 output rows; warp w walks K tiles w, w + NW, … inside one asm block."""
-    pid_n = tl.program_id(0)
-    T: tl.constexpr = 32 * NW
-    WPT: tl.constexpr = 4 if BITS == 4 else 8
-    e = tl.arange(0, T)
-    warp = e // 32
-    lane = e % 32
-    g = lane // 4
-    t = lane % 4
-    row = pid_n * 16 + g
-    n_tiles = tl.cdiv(K, 128)
-    first = warp.to(tl.int64)
-    if BLOCKED:
-        w_row = w_addr + pid_n.to(tl.int64) * KW * 4 + lane * 16 + first * (WPT * 256)
-        w_row8 = w_row + WPT * 128
-    else:
-        w_row = w_addr + tl.minimum(row, N - 1).to(tl.int64) * KW * 4 + t * (WPT * 4) + first * (WPT * 16)
-        w_row8 = w_addr + tl.minimum(row + 8, N - 1).to(tl.int64) * KW * 4 + t * (WPT * 4) + first * (WPT * 16)
-    x_row = x_addr + tl.minimum(g, M - 1).to(tl.int64) * stride_xm * 2 + t * 16 + first * 256
-    x_row8 = x_addr + tl.minimum(g + 8, M - 1).to(tl.int64) * stride_xm * 2 + t * 16 + first * 256
-    sz = sz_addr + ((pid_n.to(tl.int64) * n_tiles + first) * 8 + g) * 8
-    count = tl.maximum(n_tiles - warp + NW - 1, 0) // NW
-    left = (K - warp * 128 - t * 8).to(tl.int32)
-    acc = tl.inline_asm_elementwise(ASM, CONS, (w_row, w_row8, x_row, x_row8, sz, count, left),
-                                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    _store_acc(acc, pid_n, 0, M, N, out_ptr, stride_om, bias_ptr, out_ptr, out_ptr, 1, False, HAS_BIAS, NW, COLS)
-
-
-
-def pack_blocked(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Words in the mma layout [N, KW] → one contiguous block per (16-row tile, K tile): int32
-    [row tiles, K tiles · 64 · wpt], block = [half h, chunk v, lane g·4 + t, 4 words] holding the words
-    4v … 4v + 3 of thread t's share of row 16r + 8h + g. One warp-wide 16-byte load then reads 512
-    contiguous bytes, and a program streams its rows' weights front to back."""
-    wpt = 4 if bits == 4 else 8
-    n, kw = words.shape
-    rows = -(-n // 16) * 16
-    w = torch.zeros(rows, kw, dtype=torch.int32, device=words.device)
-    w[:n] = words
-    kt = kw // (4 * wpt)
-    w = w.reshape(rows // 16, 2, 8, kt, 4, wpt // 4, 4).permute(0, 3, 1, 5, 2, 4, 6)  # [r, T, h, v, g, t, i]
-    return w.reshape(rows // 16, kt * 64 * wpt).contiguous()
-
-
-def blocked_words(mw: PackedWeights) -> torch.Tensor:
-    """`pack_blocked` of the layer's words, made once and kept on the weights object."""
-    b = getattr(mw, "_blocked", None)
-    if b is None or b.device != mw.qweight.device:
-        b = pack_blocked(mw.qweight, mw.bits)
-        mw._blocked = b
-    return b
-
-def ring_sz(mw: PackedWeights) -> torch.Tensor:
-    """`pack_sz` of the layer, made once and kept on the weights object."""
-    sz = getattr(mw, "_sz", None)
-    if sz is None or sz.device != mw.scales.device:
-        sz = pack_sz(mw)
-        mw._sz = sz
-    return sz
-
-
-def gemv_ring(
-    x: torch.Tensor,
-    mw: MmaWeights,
-    bias: torch.Tensor | None = None,
-    *,
-    num_warps: int = 4,
-    stages: int = 4,
-    blocked: bool = False,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 16, the weights streamed through shared memory."""
-    m, k = x.shape
-    if m > 16:
-        raise ValueError(f"the mma GEMV takes at most 16 rows of x, got {m}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()
-    n = mw.out_features
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cols = 1 if m <= 8 else 2
-    asm, cons = ring_asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, stages, num_warps, blocked)
-    words = blocked_words(mw) if blocked else mw.qweight
-    mma_ring_kernel[(triton.cdiv(n, 16),)](
-        x.data_ptr(), words.data_ptr(), ring_sz(mw).data_ptr(), bias if bias is not None else out, out,
-        m, n, k, words.shape[1], x.stride(0), out.stride(0),
-        ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, HAS_BIAS=bias is not None, BLOCKED=blocked,
-        num_warps=num_warps,
     )
     return out
 
@@ -620,8 +421,14 @@ def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl
     n = pid_n * BLOCK_N + i // TILES
     tile = pid_t * TILES + i % TILES
     ok = (n < N) & (tile < tl.cdiv(K, 128))
-    wi = tl.arange(0, WPT)
-    wt = tl.load(w_ptr + n.to(tl.int64)[:, None] * KW + (tile * WPT)[:, None] + wi[None, :], mask=ok[:, None], other=0)
+    # Word j of row n's share of the tile sits in block (n // 16, tile) at chunk (row half, j % wpt // 4),
+    # lane 4·(n % 8) + j // wpt, word j % 4 (module docstring).
+    j = tl.arange(0, WPT)
+    TW: tl.constexpr = WPT // 4  # words per thread and row
+    block = (n // 16).to(tl.int64) * KW + tile * (WPT * 16)
+    in_row = ((n % 16) // 8 * (TW // 4)) * 128 + (n % 8) * 16
+    in_word = (j % TW // 4) * 128 + (j // TW) * 4 + j % 4
+    wt = tl.load(w_ptr + (block + in_row)[:, None] + in_word[None, :], mask=ok[:, None], other=0)
     o = tl.arange(0, PER_WORD)
     if BITS == 4:
         shift = ((o & 1) * 4 + ((o >> 1) & 1) * 2 + (o >> 2)) * 4
@@ -658,7 +465,7 @@ def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     m, k = x.shape
     n = mw.out_features
     kp = -(-k // TILE_K) * TILE_K
-    words = mw.qweight.to(torch.int64) & 0xFFFFFFFF
+    words = _blocks(mw.qweight, mw.bits, inverse=True, n=n).to(torch.int64) & 0xFFFFFFFF
     xs = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
     xs[:, :k] = x.float()
     if mw.bits == 4:
