@@ -26,7 +26,7 @@ from bench.kernel_timing import copy_bandwidth, graph_us, plain_us, ring_size
 from quantkit.kernels import dispatch, triton_mma
 
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
-W8_MS = (1, 16, 256, 1024)
+W8_MS = (1, 16, 64, 256, 1024)
 
 
 def runtime_layout(kw):

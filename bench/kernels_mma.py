@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.kernel_candidates import SHAPES, random_kw
+from bench.kernel_candidates import SHAPES
 from bench.kernel_timing import graph_us, rel_err, ring_size
 from quantkit.kernels import dispatch, triton_mma
 from quantkit.kernels.triton_mma import MmaWeights
@@ -33,9 +33,9 @@ def random_mw(k: int, n: int, bits: int, group_size: int) -> MmaWeights:
     """Random weights already in the mma layout."""
     gs = k if group_size == -1 else group_size
     g = -(-k // gs)
-    words = -(-k // 128) * 128 * bits // 32
+    words = -(-k // 128) * 128 * bits // 32 * 16  # per 16-row tile (rows past N are padding)
     return MmaWeights(
-        qweight=torch.randint(-(2**31), 2**31 - 1, (n, words), dtype=torch.int32, device="cuda"),
+        qweight=torch.randint(-(2**31), 2**31 - 1, (-(-n // 16), words), dtype=torch.int32, device="cuda"),
         scales=(torch.rand(n, g, device="cuda") * 0.01 + 0.001).half(),
         zeros=torch.randint(0, 2**bits, (n, g), dtype=torch.uint8, device="cuda"),
         bits=bits, group_size=gs, in_features=k, out_features=n,
@@ -43,7 +43,7 @@ def random_mw(k: int, n: int, bits: int, group_size: int) -> MmaWeights:
 
 
 def reference(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None) -> torch.Tensor:
-    q = triton_mma.unpack_mma(mw.qweight, mw.bits, mw.in_features).float()
+    q = triton_mma.unpack_mma(mw.qweight, mw.bits, mw.in_features, mw.out_features).float()
     g = torch.arange(mw.in_features, device=x.device) // mw.group_size
     w = (q - mw.zeros.float()[:, g]) * mw.scales.float()[:, g]
     y = x.float() @ w.t()
@@ -60,7 +60,8 @@ def check(quick: bool) -> list[dict]:
     for bits, gs, dtype in families:
         for n, k in shapes:
             mw = random_mw(k, n, bits, gs)
-            for m in (1, 3, 8, 9, 16):
+            for m, wide in ((1, False), (3, False), (8, False), (9, False), (16, False), (1, True), (9, True),
+                            (17, True), (33, True), (64, True)):
                 nw, (tiles, maxnreg), split = configs[i % len(configs)]
                 has_bias = i % 3 == 0
                 i += 1
@@ -68,17 +69,18 @@ def check(quick: bool) -> list[dict]:
                 bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                 try:
-                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, split_k=split, maxnreg=maxnreg, out=out)
+                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, split_k=split, maxnreg=maxnreg, wide=wide,
+                                    out=out)
                     torch.cuda.synchronize()
                     err = rel_err(out, reference(x, mw, bias))
                 except Exception as exc:  # report every failure, keep checking the rest
                     err = float("inf")
                     print(f"FAILED {exc!r}"[:300])
                 row = dict(bits=bits, group_size=gs, dtype=str(dtype), n=n, k=k, m=m, warps=nw, tiles=tiles,
-                           split=split, maxnreg=maxnreg, bias=has_bias, rel_err=err)
+                           split=split, maxnreg=maxnreg, wide=wide, bias=has_bias, rel_err=err)
                 rows.append(row)
                 flag = "ok" if err <= 1e-2 else "FAIL"
-                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} s{split} r{maxnreg} "
+                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} s{split} r{maxnreg} wide={wide} "
                       f"bias={has_bias}: {err:.2e}", flush=True)
             if quick and n == 1000:
                 break
@@ -86,42 +88,47 @@ def check(quick: bool) -> list[dict]:
 
 
 def sweep(quick: bool) -> list[dict]:
+    """Every configuration of the mma GEMV (M ≤ 16) and of its wide form (M ≤ 64) per shape and M,
+    beside fp16 F.linear and the dispatch's current choice."""
     rows = []
-    # (warps, split-K, tiles per step, maxnreg)
-    configs = [(4, 1, 1, None), (8, 1, 1, None), (4, 1, 2, 128), (8, 1, 2, 128), (4, 1, 4, 168), (8, 1, 4, 168),
-               (4, 1, 2, None), (8, 1, 1, 96), (4, 2, 2, 128), (8, 2, 1, None)]
+    # (warps, split-K, tiles per step, maxnreg, wide)
+    configs = [(4, 1, 1, None, False), (8, 1, 1, None, False), (4, 1, 2, 128, False), (8, 1, 2, 128, False),
+               (4, 1, 4, 168, False), (8, 1, 2, None, False),
+               (4, 1, 1, None, True), (8, 1, 1, None, True), (4, 1, 2, None, True), (8, 1, 2, 128, True),
+               (4, 1, 1, 128, True), (2, 1, 1, None, True)]
     if quick:
-        configs = configs[:2]
-    for bits, ms in ((4, (1, 8, 16)), (8, (1, 16))):
+        configs = configs[:2] + configs[6:8]
+    for bits, ms in ((4, (1, 8, 16, 32, 64)), (8, (1, 16, 32, 64))):
         gs = 128 if bits == 4 else -1
         for shape, (k, n) in SHAPES.items():
             first = random_mw(k, n, bits, gs)
             ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
-            kws = [random_kw(k, n, bits, gs) for _ in range(len(ring))]
             fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 base = {"shape": shape, "bits": bits, "m": m}
                 t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
-                choice = dispatch.choose(bits, m)
-                told = graph_us([lambda kw=kw: dispatch.run(x, kw, None, choice) for kw in kws])
+                choice = dispatch.mma_choice(bits, m, n)
+                told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
                 best = None
-                for nw, split, tiles, maxnreg in configs:
+                for nw, split, tiles, maxnreg, wide in configs:
+                    if m > 16 and not wide:
+                        continue
                     try:
                         us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, split_k=split,
-                                                                     maxnreg=maxnreg) for mw in ring])
+                                                                     maxnreg=maxnreg, wide=wide) for mw in ring])
                     except Exception as exc:
-                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} s{split}: {exc!r}"[:300])
+                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} s{split} wide={wide}: {exc!r}"[:300])
                         continue
                     tbps = first.nbytes / us / 1e6
-                    rows.append({**base, "warps": nw, "tiles": tiles, "split": split, "maxnreg": maxnreg, "us": us,
-                                 "tbps": tbps, "fp16_us": t16, "old_us": told, "old": choice.method})
+                    rows.append({**base, "warps": nw, "tiles": tiles, "split": split, "maxnreg": maxnreg, "wide": wide,
+                                 "us": us, "tbps": tbps, "fp16_us": t16, "now_us": told, "now": choice.method})
                     if best is None or us < best[0]:
-                        best = (us, nw, tiles, split, tbps, maxnreg)
-                print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | old {told:6.1f} ({choice.method}) | mma best "
-                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} s{best[3]} r{best[5]} {best[4]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
-                      flush=True)
-            del ring, kws, fp16
+                        best = (us, nw, tiles, split, tbps, maxnreg, wide)
+                print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | now {told:6.1f} ({choice.method}) | best "
+                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} s{best[3]} r{best[5]} wide={best[6]} {best[4]:.2f} TB/s"
+                      f" -> x{t16 / best[0]:.2f} fp16", flush=True)
+            del ring, fp16
             torch.cuda.empty_cache()
     return rows
 
@@ -153,92 +160,12 @@ def floor() -> list[dict]:
     return rows
 
 
-RING_CONFIGS = {4: [(4, 2), (4, 3), (4, 4), (4, 6), (4, 8), (8, 2), (8, 3), (8, 4)],
-                8: [(4, 2), (4, 3), (4, 4), (8, 2)]}  # (warps, stages): the static ring stays under 48 KB
-
-
-def check_ring() -> list[dict]:
-    """The ring kernel (gemv_ring) on every family, shape, M and configuration, NaN-poisoned output."""
-    rows = []
-    shapes = [(4096, 4096), (1000, 4096), (200, 11008), (136, 320), (24, 1152)]
-    families = [(4, 128, torch.float16), (4, 128, torch.bfloat16), (8, -1, torch.float16), (4, 256, torch.float16)]
-    i = 0
-    for bits, gs, dtype in families:
-        for n, k in shapes:
-            mw = random_mw(k, n, bits, gs)
-            for m in (1, 3, 8, 9, 16):
-                nw, stages = RING_CONFIGS[bits][i % len(RING_CONFIGS[bits])]
-                has_bias = i % 3 == 0
-                i += 1
-                x = torch.randn(m, k, device="cuda", dtype=dtype)
-                bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
-                ref = reference(x, mw, bias)
-                kernels = {
-                    "ring": lambda out: triton_mma.gemv_ring(x, mw, bias, num_warps=nw, stages=stages, out=out),
-                    "ring blocked": lambda out: triton_mma.gemv_ring(x, mw, bias, num_warps=nw, stages=stages,
-                                                                     blocked=True, out=out),
-                    "tile blocked": lambda out: triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=1 + i % 2,
-                                                                maxnreg=128 if i % 2 else None, blocked=True, out=out),
-                }
-                for name, fn in kernels.items():
-                    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                    try:
-                        fn(out)
-                        torch.cuda.synchronize()
-                        err = rel_err(out, ref)
-                    except Exception as exc:
-                        err = float("inf")
-                        print(f"FAILED {exc!r}"[:300])
-                    rows.append(dict(kernel=name, bits=bits, group_size=gs, dtype=str(dtype), n=n, k=k, m=m, warps=nw,
-                                     stages=stages, bias=has_bias, rel_err=err))
-                    print(f"{'ok' if err <= 1e-2 else 'FAIL'} {name} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} "
-                          f"S{stages} bias={has_bias}: {err:.2e}", flush=True)
-    return rows
-
-
-def sweep_ring() -> list[dict]:
-    """Ring configurations against the dispatch's current mma choice and fp16, four shapes."""
-    rows = []
-    for bits, ms in ((4, (1, 4, 8, 16)), (8, (1, 16))):
-        gs = 128 if bits == 4 else -1
-        for shape, (k, n) in SHAPES.items():
-            first = random_mw(k, n, bits, gs)
-            ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
-            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
-            nbytes = first.qweight.numel() * 4 + triton_mma.pack_sz(first).numel() * 2
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
-                choice = dispatch.mma_choice(bits, m, n)
-                told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
-                tblk = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, blocked=True, **choice.params) for mw in ring])
-                line = f"W{bits} {shape:7} M={m:2}: fp16 {t16:5.1f} | now {told:5.1f} | now blocked {tblk:5.1f} |"
-                variants = [(nw, st, False) for nw, st in RING_CONFIGS[bits] if st <= 3]
-                variants += [(nw, st, True) for nw, st in RING_CONFIGS[bits]]
-                for nw, stages, blocked in variants:
-                    try:
-                        us = graph_us([lambda mw=mw: triton_mma.gemv_ring(x, mw, num_warps=nw, stages=stages,
-                                                                          blocked=blocked) for mw in ring])
-                    except Exception as exc:
-                        print(f"FAILED ring W{bits} {shape} M={m} w{nw} S{stages} b{blocked}: {exc!r}"[:300])
-                        continue
-                    rows.append({"shape": shape, "bits": bits, "m": m, "warps": nw, "stages": stages,
-                                 "blocked": blocked, "us": us, "tbps": nbytes / us / 1e6, "fp16_us": t16,
-                                 "now_us": told, "now_blocked_us": tblk})
-                    line += f" {'B' if blocked else ''}w{nw}S{stages} {us:5.1f}"
-                print(line, flush=True)
-            del ring, fp16
-            torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="directory for mma.json")
     ap.add_argument("--quick", action="store_true", help="fewer checks and configurations")
     ap.add_argument("--skip-check", action="store_true", help="timing only")
     ap.add_argument("--floor", action="store_true", help="only the time-against-K series (launch floor)")
-    ap.add_argument("--ring", action="store_true", help="only the ring kernel: its checks and its configurations")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -246,13 +173,6 @@ def main() -> None:
     if args.floor:
         res["floor"] = floor()
         (args.out / "floor.json").write_text(json.dumps(res, indent=1))
-        return
-    if args.ring:
-        res["check"] = check_ring()
-        bad = [r for r in res["check"] if not r["rel_err"] <= 1e-2]
-        print(f"ring checks: {len(res['check'])}, failures {len(bad)}", flush=True)
-        res["sweep"] = sweep_ring()
-        (args.out / "ring.json").write_text(json.dumps(res, indent=1))
         return
     if not args.skip_check:
         res["check"] = check(args.quick)

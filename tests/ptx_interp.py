@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import torch
 
 SHARED_BASE = 0x10000
 
@@ -23,6 +24,12 @@ def h2f(bits: int, bf16: bool) -> float:
     if bf16:
         return float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
     return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])
+
+
+def f2h(value: float, bf16: bool) -> int:
+    """A float rounded to nearest-even fp16 (or bf16), as bits."""
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    return int(torch.tensor(value, dtype=torch.float64).to(dtype).view(torch.int16)) & 0xFFFF
 
 
 def prmt(a: int, b: int, sel: int) -> int:
@@ -52,6 +59,7 @@ class Cta:
     """One program of `warps` warps running `asm`; inputs[thread] are the values of $first_input, …"""
 
     def __init__(self, asm: str, inputs: list[list], memory: dict[int, int], bf16: bool, first_input: int = 8):
+        self.outputs = first_input
         self.code, self.labels, self.symbols = _parse(asm)
         self.memory, self.bf16 = memory, bf16
         self.shared: dict[int, int] = {}
@@ -84,7 +92,7 @@ class Cta:
             for w in range(warps):
                 if pcs[w] < len(self.code):
                     pcs[w] = self.step(w, pcs[w])
-        return [[r.get(f"${i}") for i in range(8)] for r in self.regs]
+        return [[r.get(f"${i}") for i in range(self.outputs)] for r in self.regs]
 
     def step(self, warp: int, pc: int) -> int:
         line = self.code[pc]
@@ -141,6 +149,15 @@ class Cta:
             r[lo], r[hi] = word & 0xFFFF, word >> 16
         elif kind == "mov":
             r[args[0]] = v(args[1])
+        elif op in ("and.pred",):
+            r[args[0]] = v(args[1]) and v(args[2])
+        elif op == "mul.lo.s64":
+            r[args[0]] = v(args[1]) * v(args[2])
+        elif op in ("fma.rn.f16x2", "fma.rn.bf16x2"):
+            halves = [[(v(a) >> (16 * hi)) & 0xFFFF for a in args[1:4]] for hi in range(2)]
+            bf = op == "fma.rn.bf16x2"
+            r[args[0]] = sum(f2h(h2f(a, bf) * h2f(b, bf) + h2f(c, bf), bf) << (16 * hi)
+                             for hi, (a, b, c) in enumerate(halves))
         elif op in ("add.u32", "add.s32", "add.s64"):
             r[args[0]] = v(args[1]) + v(args[2])
         elif op == "sub.s32":

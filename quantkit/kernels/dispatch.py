@@ -3,9 +3,9 @@
 `quant_linear(x, layer)` is what `QuantLinear.forward` calls on the Triton path. The layer's packed
 buffers are repacked once into a kernel layout and kept on the layer as a plain attribute, rebuilt if
 the layer moves to another device:
-- on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 16
-  runs the mma GEMV, 16 < M ≤ 32 runs it on 16-row slices of x, larger M dequantizes (mma layout) and
-  calls cuBLAS (`mma_choice`, figures in BENCHMARKS.md and bench/KERNELS_NOTES.md);
+- on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
+  runs the wide mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
+  in BENCHMARKS.md and bench/KERNELS_NOTES.md);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
   kernel's inline PTX) the block-planar layout (triton_layout) and `TABLE`, measured by
   bench/kernel_speed.py --tune; split-K is set per call so that a launch has enough programs to fill
@@ -97,25 +97,29 @@ def choose(bits: int, m: int) -> Choice:
 def mma_choice(bits: int, m: int, n: int, sms: int = 132) -> Choice:
     """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs.
 
-    Measured on the H200 (run 11 of bench/KERNELS_NOTES.md, four Llama-2-7B shapes): with one column
-    tile (M ≤ 8), GPUs full of small programs want one tile per step (qkv: N/16 = 768 row tiles, six
-    4-warp programs per SM), wider layers two tiles per step with all their loads in flight (gate_up),
-    and narrow ones (o, down: 256 row tiles) 8-warp programs; with two column tiles (M ≤ 16) four
-    tiles per step, except for narrow layers with 4-bit weights. Up to M = 32 the GEMV runs on 16-row
-    slices of x (qkv, M = 32: 38.9 µs against 46.8 for the block-planar GEMM, run 14); at M = 64
-    dequantize + cuBLAS is faster (71.5 µs against ≈ 4 × 19.3); M = 33–63 were not measured.
+    Measured on the H200 (run 27 of bench/KERNELS_NOTES.md, `bench/kernels_mma.py`, four Llama-2-7B
+    shapes, M ∈ {1, 8, 16, 32, 64}): the wide GEMV (zero point off the weights, one mma per column
+    tile) up to M = 64, by width of the layer in 16-row tiles and by column tiles (8 rows of x each):
+    narrow layers (o, down: 256 row tiles) want 8 warps until M = 32; layers with ≤ 6 row tiles per SM
+    (qkv) 4 warps; wider ones (gate_up) fewer warps per program. Within 3 % of the best configuration
+    of the sweep for every shape and M. Above M = 64 dequantize + cuBLAS (at M = 64 the wide GEMV is
+    0.57–0.76× fp16 and dequantize + cuBLAS 0.41–0.51×).
     """
-    if m > 32:
+    if m > 64:
         return _CUBLAS
     rows = triton.cdiv(n, 16)
-    if m <= 8 or bits == 4:
-        if rows <= 2 * sms:
-            return Choice("mma", dict(num_warps=8, tiles=2, maxnreg=128))
-        if m <= 8 and rows <= 6 * sms:
-            return Choice("mma", dict(num_warps=4, tiles=1))
-        if m <= 8:
-            return Choice("mma", dict(num_warps=4, tiles=2, maxnreg=128))
-    return Choice("mma", dict(num_warps=4, tiles=4, maxnreg=168))
+
+    def wide(num_warps: int, tiles: int, maxnreg: int | None = None) -> Choice:
+        return Choice("mma", dict(num_warps=num_warps, tiles=tiles, maxnreg=maxnreg, wide=True))
+
+    narrow, mid = rows <= 2 * sms, rows <= 6 * sms
+    if m <= 8:
+        return wide(8, 2, 128) if narrow else wide(4, 1, 128) if mid or bits == 8 else wide(2, 1)
+    if m <= 16:
+        return wide(8, 2, 128) if narrow else wide(4, 2) if mid or bits == 4 else wide(2, 1)
+    if m <= 32:
+        return wide(8, 1) if narrow else wide(2, 1) if mid else wide(4, 1, 128)
+    return wide(2, 1) if not mid else wide(4, 2)
 
 
 def _interpreted() -> bool:
@@ -185,8 +189,9 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
         if not triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
             x2d = x2d.half()  # e.g. bf16 activations with 8-bit weights: fp16 operands, fp32 sums
         out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-        for r in range(0, m, 16):  # 16 rows of x per launch (the B operand's two column tiles)
-            triton_mma.gemv(x2d[r:r + 16], kw, bias, out=out[r:r + 16], **p)
+        rows = 64 if p.get("wide") else 16  # rows of x per launch (8 per column tile of the B operand)
+        for r in range(0, m, rows):
+            triton_mma.gemv(x2d[r:r + rows], kw, bias, out=out[r:r + rows], **p)
         return out.to(dtype)
     k8 = kw.qweight.shape[1]
     if choice.method == "gemv":

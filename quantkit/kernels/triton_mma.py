@@ -259,14 +259,134 @@ def _scale_into(n_acc: int, x16: bool, u: int, prev: list[str]) -> list[str]:
     return L
 
 
+def _asm_wide(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
+    """PTX for `tiles` K-tiles of one warp with up to 8 column tiles (M ≤ 64), and its constraints.
+
+    Unlike `_asm`, the zero point is taken off the weights before the mma: one `fma` per fp16 pair,
+    (1024 + q)·1 − (1024 + z) (odd nibbles: (1024 + 16·q)·1/16 − (64 + z)), exact in fp16 and bf16, so
+    each step costs one mma per column tile instead of two, and no second accumulator is needed.
+    x is loaded per 32-input chunk. Operands: outputs acc[4·col_tiles]; inputs per tile: word
+    addresses of rows g and g + 8, x address of x row g (clamped to M − 1), inputs left, raw scales
+    and zeros of rows g and g + 8; then the byte distance of 8 x rows and M − g (column tile c reads
+    x rows 8·c + g while they are < M, zeros past them); then acc[4·col_tiles].
+    """
+    wpt = 4 if bits == 4 else 8
+    n_acc = 4 * col_tiles
+    cons = ["=f"] * n_acc
+    ops = []
+    for _ in range(tiles):
+        op = {}
+        for name, c in [("wa", "l"), ("wa8", "l"), ("xa", "l"), ("kl", "r"), ("s", "h"), ("s8", "h"), ("z", "r"),
+                        ("z8", "r")]:
+            op[name] = f"${len(cons)}"
+            cons.append(c)
+        ops.append(op)
+    xs, mg = f"${len(cons)}", f"${len(cons) + 1}"
+    cons += ["l", "r"]
+    acc_in = [f"${len(cons) + i}" for i in range(n_acc)]
+    cons += ["f"] * n_acc
+    x16 = bits == 4 and not bf16
+    magic = "0x43004300" if bf16 else "0x64006400"
+    ab = "bf16" if bf16 else "f16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
+    one = "0x3F803F80" if bf16 else "0x3C003C00"
+    L = ["{",
+         ".reg .pred px, pr;",
+         f".reg .b32 w<{2 * wpt * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh, kt, mt, one, sixteenth, "
+         + ", ".join(f"{z}_{u}" for z in ("zg", "zg8", "zh", "zh8") for u in range(tiles)) + ";",
+         f".reg .f32 d<{n_acc * tiles}>, sg, sg8;",
+         f".reg .b64 xc<{col_tiles}>;",
+         f"mov.b32 one, {one};", "mov.b32 sixteenth, 0x2C002C00;"]
+    for u, op in enumerate(ops):
+        wb = 2 * wpt * u
+        for v in range(wpt // 4):
+            for row, addr in ((0, op["wa"]), (wpt, op["wa8"])):
+                regs = ", ".join(f"w{wb + row + 4 * v + i}" for i in range(4))
+                L.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{512 * v}];")
+    for u, op in enumerate(ops):
+        # −(1024 + z) (bf16: −(128 + z)) per row, twice per word; odd nibbles: −(64 + z), z·16 in the mantissa.
+        for dst, src, shift, base in (("zg", op["z"], 0, "0xE400"), ("zg8", op["z8"], 0, "0xE400"),
+                                      ("zh", op["z"], 4, "0xD400"), ("zh8", op["z8"], 4, "0xD400")):
+            if shift and not x16:
+                continue
+            if shift:
+                L.append(f"shl.b32 sh, {src}, {shift};")
+                src = "sh"
+            L.append(f"or.b32 {dst}_{u}, {src}, {'0xC300' if bf16 else base};")
+            L.append(f"prmt.b32 {dst}_{u}, {dst}_{u}, {dst}_{u}, 0x1010;")
+    L += [f"mov.f32 d{i}, 0f00000000;" for i in range(n_acc * tiles)]
+    for c in range(4):
+        for u, op in enumerate(ops):
+            for nt in range(col_tiles):
+                xb = 16 * (col_tiles * u + nt) + 4 * c
+                xr = ", ".join(f"x{xb + i}" for i in range(4))
+                conds = []
+                if nt:
+                    conds.append(f"setp.gt.s32 pr, {mg}, {8 * nt};")
+                if not even_k:
+                    conds.append(f"sub.s32 kt, {op['kl']}, {32 * c};")
+                    conds.append("setp.gt.s32 px, kt, 0;")
+                if nt and not even_k:
+                    conds.append("and.pred px, px, pr;")
+                elif nt:
+                    conds.append("mov.pred px, pr;")
+                addr = op["xa"]
+                if nt:
+                    L.append(f"mul.lo.s64 xc{nt}, {xs}, {nt};")
+                    L.append(f"add.s64 xc{nt}, xc{nt}, {op['xa']};")
+                    addr = f"xc{nt}"
+                if conds:
+                    L += conds
+                    L += [f"mov.b32 x{xb + i}, 0;" for i in range(4)]
+                    L.append(f"@px ld.global.v4.u32 {{{xr}}}, [{addr}+{64 * c}];")
+                else:
+                    L.append(f"ld.global.v4.u32 {{{xr}}}, [{addr}+{64 * c}];")
+        for h in range(2):
+            for u in range(tiles):
+                wb = 2 * wpt * u
+                if bits == 4:
+                    for which, word in ((0, f"w{wb + c}"), (1, f"w{wb + wpt + c}")):
+                        z = f"zg_{u}" if which == 0 else f"zg8_{u}"
+                        for i, p in enumerate(PAIR_NIBBLE[h]):
+                            odd = x16 and p % 2
+                            shift = 4 * (p - 1) if odd else 4 * p
+                            src = word
+                            if shift:
+                                L.append(f"shr.b32 sh, {word}, {shift};")
+                                src = "sh"
+                            mask = "0x00F000F0" if odd else "0x000F000F"
+                            reg = f"a{which + 2 * i}"
+                            L.append(f"lop3.b32 {reg}, {src}, {mask}, {magic}, 0xEA;")
+                            zz = z.replace("zg", "zh") if odd else z
+                            L.append(f"fma.rn.{ab}x2 {reg}, {reg}, {'sixteenth' if odd else 'one'}, {zz};")
+                else:
+                    for which, word in ((0, f"w{wb + 2 * c + h}"), (1, f"w{wb + wpt + 2 * c + h}")):
+                        z = f"zg_{u}" if which == 0 else f"zg8_{u}"
+                        L.append(f"prmt.b32 a{which}, {word}, 0x64646464, 0x4140;")
+                        L.append(f"prmt.b32 a{which + 2}, {word}, 0x64646464, 0x4342;")
+                        L.append(f"fma.rn.f16x2 a{which}, a{which}, one, {z};")
+                        L.append(f"fma.rn.f16x2 a{which + 2}, a{which + 2}, one, {z};")
+                for nt in range(col_tiles):
+                    xb = 16 * (col_tiles * u + nt) + 4 * c + 2 * h
+                    dd = ", ".join(f"d{n_acc * u + 4 * nt + i}" for i in range(4))
+                    L.append(f"{mma} {{{dd}}}, {{a0, a1, a2, a3}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
+    prev = acc_in
+    for u, op in enumerate(ops):
+        L += [f"cvt.f32.f16 sg, {op['s']};", f"cvt.f32.f16 sg8, {op['s8']};"]
+        L += _scale_into(n_acc, False, u, prev)
+        prev = [f"${i}" for i in range(n_acc)]
+    L.append("}")
+    return "\n".join(L), ",".join(cons)
+
+
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
-    """The cached PTX and constraints of one configuration."""
-    key = (bits, col_tiles, bf16, even_k, tiles)
+def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, wide: bool = False) -> tuple[str, str]:
+    """The cached PTX and constraints of one configuration (`wide`: `_asm_wide`)."""
+    key = (bits, col_tiles, bf16, even_k, tiles, wide)
     if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
+        _ASM[key] = (_asm_wide if wide else _asm)(bits, col_tiles, bf16, even_k, tiles)
     return _ASM[key]
 
 
@@ -289,12 +409,21 @@ def _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok,
 
 
 @triton.jit
+def _tile_wide(tile, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
+               group_size: tl.constexpr, TILE_BYTES: tl.constexpr):
+    """`_tile` for the wide asm: one x address (row g); the other column tiles are offsets from it."""
+    wa, wa8, xa, xa8, kl, s, s8, z, z8 = _tile(tile, hi, w_row, w_row8, x_row, x_row, s_row, z_row, row_ok, row8_ok,
+                                               t, K, G, group_size, TILE_BYTES)
+    return wa, wa8, xa, kl, s, s8, z, z8
+
+
+@triton.jit
 def mma_gemv_kernel(
     x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
     TILES: tl.constexpr,
-    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -324,16 +453,41 @@ def mma_gemv_kernel(
     zero = tl.zeros([T], dtype=tl.float32)
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
     tile = lo + warp  # warp w takes tiles lo + w, lo + w + NW, ...
+    if WIDE:
+        acc = (zero,) * (4 * COLS)
+        rows8 = stride_xm.to(tl.int64) * 16 + e * 0  # bytes of 8 x rows, per thread
+        m_left = M - g
     for _ in range(0, tl.cdiv(hi - lo, NW * TILES)):
-        ops = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size,
-                    TILE_BYTES)
-        for u in tl.static_range(1, TILES):
-            ops = ops + _tile(tile + u * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K,
-                              G, group_size, TILE_BYTES)
-        acc = tl.inline_asm_elementwise(ASM, CONS, ops + acc, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        if WIDE:
+            ops = _tile_wide(tile, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G, group_size,
+                             TILE_BYTES)
+            for u in tl.static_range(1, TILES):
+                ops = ops + _tile_wide(tile + u * NW, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K,
+                                       G, group_size, TILE_BYTES)
+            acc = tl.inline_asm_elementwise(ASM, CONS, ops + (rows8, m_left) + acc, dtype=(tl.float32,) * (4 * COLS),
+                                            is_pure=True, pack=1)
+        else:
+            ops = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size,
+                        TILE_BYTES)
+            for u in tl.static_range(1, TILES):
+                ops = ops + _tile(tile + u * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t,
+                                  K, G, group_size, TILE_BYTES)
+            acc = tl.inline_asm_elementwise(ASM, CONS, ops + acc, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         tile += NW * TILES
-    _store_acc(acc, pid_n, pid_k, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, SPLIT, HAS_BIAS, NW,
-               COLS)
+    if WIDE:  # one store per column tile (no split-K)
+        lane32 = tl.arange(0, 32)
+        n0 = pid_n * 16 + lane32 // 4
+        m0 = (lane32 % 4) * 2
+        offs_m = _pairs(m0, m0 + 1, m0, m0 + 1)
+        offs_n = _pairs(n0, n0, n0 + 8, n0 + 8)
+        for nt in tl.static_range(COLS):
+            vals = _pairs(_warp_sum(acc[4 * nt], NW), _warp_sum(acc[4 * nt + 1], NW), _warp_sum(acc[4 * nt + 2], NW),
+                          _warp_sum(acc[4 * nt + 3], NW))
+            store_points(vals, offs_m + 8 * nt, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, pid_n, 0,
+                         1, False, HAS_BIAS)
+    else:
+        _store_acc(acc, pid_n, pid_k, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, SPLIT, HAS_BIAS,
+                   NW, COLS)
 
 
 @triton.jit
@@ -376,27 +530,32 @@ def gemv(
     split_k: int = 1,
     tiles: int = 1,
     maxnreg: int | None = None,
+    wide: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 16 on the tensor cores; x fp16 (or bf16 with W4)."""
+    """y [M, N] = x [M, K] · Wᵀ (+ bias) on the tensor cores; x fp16 (or bf16 with W4).
+
+    M ≤ 16, or M ≤ 64 with `wide` (`_asm_wide`: zero point off the weights, one mma per column tile;
+    no split-K)."""
     m, k = x.shape
-    if m > 16:
-        raise ValueError(f"the mma GEMV takes at most 16 rows of x, got {m}")
+    limit = 64 if wide else 16
+    if m > limit:
+        raise ValueError(f"the mma GEMV takes at most {limit} rows of x, got {m}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     n = mw.out_features
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    split_k = clamp_split(max(1, min(split_k, triton.cdiv(k, TILE_K))), m, n)
+    split_k = 1 if wide else clamp_split(max(1, min(split_k, triton.cdiv(k, TILE_K))), m, n)
     ws = workspace(split_k, m, n, x.device)
     row_tiles = triton.cdiv(n, 16)
-    cols = 1 if m <= 8 else 2
-    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles)
+    cols = 1 << max(0, (triton.cdiv(m, 8) - 1).bit_length()) if wide else (1 if m <= 8 else 2)
+    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles, wide)
     mma_gemv_kernel[(row_tiles, split_k)](
         x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
         counters(x.device, row_tiles), m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
         group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
-        SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None,
+        SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None, WIDE=wide,
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out

@@ -59,22 +59,23 @@ SCRIPT = textwrap.dedent("""
            "KW": "i32", "G": "i32", "stride_xm": "i32", "stride_om": "i32", "SPLIT_K": "i32"}
     seen = set()
     for bits in (4, 8):
-        for m in (1, 16):
+        for m in (1, 16, 32, 64):
+            cols = -(-m // 8)
             for n in (4096, 12288, 22016):
                 c = dispatch.mma_choice(bits, m, n)
-                key = (bits, m > 8, tuple(sorted(c.params.items())))
+                key = (bits, cols, tuple(sorted(c.params.items())))
                 if key in seen:
                     continue
                 seen.add(key)
                 p = c.params
                 for bf16, even_k in ((False, True), (bits == 4, False)):
-                    asm, cons = triton_mma.asm_for(bits, 1 if m <= 8 else 2, bf16, even_k, p["tiles"])
-                    ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=1 if m <= 8 else 2,
-                              NW=p["num_warps"], TILES=p["tiles"], SPLIT=True, HAS_BIAS=True)
+                    asm, cons = triton_mma.asm_for(bits, cols, bf16, even_k, p["tiles"], p["wide"])
+                    ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=cols, NW=p["num_warps"],
+                              TILES=p["tiles"], SPLIT=False, HAS_BIAS=True, WIDE=p["wide"])
                     opts = {"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}
                     out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=p["num_warps"], **opts)
                     assert out.asm.get("cubin"), (bits, m, p)
-                    assert out.asm["ptx"].count("mma.sync") == 2 * 8 * ce["COLS"] * p["tiles"]
+                    assert out.asm["ptx"].count("mma.sync") == 8 * cols * p["tiles"]
     for bits in (4, 8):
         d = build(triton_mma.dequant_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
                   "out_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "G": "i32"},

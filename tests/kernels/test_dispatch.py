@@ -11,12 +11,14 @@ from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
 def test_mma_choice_by_rows_of_x():
     for bits in (4, 8):
         for n in (4096, 12288, 22016):
-            assert dispatch.mma_choice(bits, 1, n).method == "mma"
-            assert dispatch.mma_choice(bits, 32, n).method == "mma"  # two 16-row launches
-            assert dispatch.mma_choice(bits, 33, n).method == "dequant+cublas"
-    # narrow layers (few 16-row tiles per SM) get 8-warp programs; wide ones 4-warp programs
+            for m in (1, 16, 64):
+                c = dispatch.mma_choice(bits, m, n)
+                assert c.method == "mma" and c.params["wide"]  # one launch per 64 rows of x
+            assert dispatch.mma_choice(bits, 65, n).method == "dequant+cublas"
+    # narrow layers (few 16-row tiles per SM) get 8-warp programs at small M; the widest, small ones
     assert dispatch.mma_choice(4, 1, 4096).params["num_warps"] == 8
-    assert dispatch.mma_choice(4, 1, 22016).params["num_warps"] == 4
+    assert dispatch.mma_choice(4, 1, 12288).params["num_warps"] == 4
+    assert dispatch.mma_choice(4, 1, 22016).params["num_warps"] == 2
 
 
 def test_run_mma_layout_dequantize_path(triton_interpreter):
@@ -26,7 +28,7 @@ def test_run_mma_layout_dequantize_path(triton_interpreter):
     s = (torch.rand(n, 2, generator=g) * 0.02 + 0.002).half()
     z = torch.randint(0, 16, (n, 2), generator=g).to(torch.uint8)
     mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, 128, k, n))
-    x = torch.randn(40, k, generator=g).half()
+    x = torch.randn(70, k, generator=g).half()  # above 64 rows: dequantize + cuBLAS
     bias = torch.randn(n, generator=g).half()
     idx = torch.arange(k) // 128
     ref = x.float() @ ((q.float() - z.float()[:, idx]) * s.float()[:, idx]).t() + bias.float()

@@ -79,49 +79,54 @@ def _store(memory: dict[int, int], base: int, t: torch.Tensor) -> None:
         memory[base + i] = data[i] | data[i + 1] << 8 | data[i + 2] << 16 | data[i + 3] << 24
 
 
-@pytest.mark.parametrize("bits,m,tiles,k,bf16", [
-    (4, 1, 1, 128, False), (4, 3, 2, 256, False), (4, 11, 1, 128, False), (8, 5, 2, 256, False),
-    (4, 2, 1, 96, False), (4, 4, 2, 256, True), (8, 16, 1, 128, False), (8, 9, 2, 256, False),
+@pytest.mark.parametrize("bits,m,tiles,k,bf16,wide", [
+    (4, 1, 1, 128, False, False), (4, 3, 2, 256, False, False), (4, 11, 1, 128, False, False),
+    (8, 5, 2, 256, False, False), (4, 2, 1, 96, False, False), (4, 4, 2, 256, True, False),
+    (8, 16, 1, 128, False, False), (8, 9, 2, 256, False, False),
+    (4, 1, 1, 128, False, True), (4, 13, 2, 256, False, True), (4, 30, 1, 96, False, True),
+    (4, 20, 1, 128, True, True), (8, 64, 1, 128, False, True), (8, 6, 2, 200, False, True),
 ])
-def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
+def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16, wide):
+    """The asm of one warp, with inputs as the kernel's _tile() / _tile_wide() compute them for warp 0
+    of a one-warp program (tiles 0, 1, …), gives x · Wᵀ over those tiles."""
     n, gs = 16, 128
     mw, _, w = random_layer(n, k, bits, gs, seed=m)
     dtype = torch.bfloat16 if bf16 else torch.float16
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    cols = 1 if m <= 8 else 2
+    cols = (1 << max(0, (-(-m // 8) - 1).bit_length())) if wide else (1 if m <= 8 else 2)
     even_k = k % 128 == 0
-    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles)
-    assert len(cons.split(",")) == 8 + 9 * tiles + 8
-    # memory: words at 0x100000, x (padded with garbage past K, never read when K is odd) at 0x800000
+    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles, wide)
+    outs = 4 * cols if wide else 8
+    assert len(cons.split(",")) == (outs + 8 * tiles + 2 + outs if wide else 8 + 9 * tiles + 8)
+    # memory: words at 0x100000, x (padded with NaN past K and past M: never read) at 0x800000
     memory: dict[int, int] = {}
     wbase, xbase = 0x100000, 0x800000
     _store(memory, wbase, mw.qweight)
     kp = -(-k // 128) * 128
-    xbits = x.view(torch.int16).to(torch.int32) & 0xFFFF
-    xpad = torch.full((m, kp + 8), 0x7E00, dtype=torch.int32)  # NaN past K: must not be read
-    xpad[:, :k] = xbits
-    for row in range(m):
-        for j in range(0, kp + 8, 2):
-            memory[xbase + (row * (kp + 8) + j) * 2] = int(xpad[row, j]) | (int(xpad[row, j + 1]) << 16)
+    xpad = torch.full((m, kp + 8), float("nan"), dtype=dtype)
+    xpad[:, :k] = x
+    _store(memory, xbase, xpad)
+    row_bytes = (kp + 8) * 2
     wpt = 4 if bits == 4 else 8
     lanes = []
     for lane in range(32):
         g, t = divmod(lane, 4)
         ins = []
-        for u in range(tiles):  # the kernel's _tile(), warp 0 of a one-warp program
-            tile = u
+        for tile in range(tiles):
             gi = tile * 128 // gs
-            wa = wbase + lane * 16 + tile * wpt * 256  # block (0, tile), as the kernel's _tile() computes
-            ins += [wa, wa + wpt * 128]
-            ins += [xbase + min(g, m - 1) * (kp + 8) * 2 + t * 16 + tile * 256,
-                    xbase + min(g + 8, m - 1) * (kp + 8) * 2 + t * 16 + tile * 256,
-                    k - tile * 128 - t * 8,
+            wa = wbase + lane * 16 + tile * wpt * 256  # block (0, tile)
+            ins += [wa, wa + wpt * 128, xbase + min(g, m - 1) * row_bytes + t * 16 + tile * 256]
+            if not wide:
+                ins.append(xbase + min(g + 8, m - 1) * row_bytes + t * 16 + tile * 256)
+            ins += [k - tile * 128 - t * 8,
                     int(mw.scales[g, gi].view(torch.int16)) & 0xFFFF,
                     int(mw.scales[g + 8, gi].view(torch.int16)) & 0xFFFF,
                     int(mw.zeros[g, gi]), int(mw.zeros[g + 8, gi])]
-        ins += [0.0] * 8
+        if wide:
+            ins += [8 * row_bytes, m - g]
+        ins += [0.0] * outs
         lanes.append(ins)
-    out = Cta(asm, lanes, memory, bf16).run()
+    out = Cta(asm, lanes, memory, bf16, first_input=outs).run()
     ref = x.float() @ w[:, : tiles * 128].t() if k >= tiles * 128 else x.float() @ w.t()
     got = torch.zeros(m, n)
     for lane in range(32):
