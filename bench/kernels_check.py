@@ -64,17 +64,13 @@ def variants(m: int):
 
 def mma_variants(m: int):
     """(name, fn(x, mw, out)) for the mma layout: the GEMV's configurations, its dequantize, and
-    the runtime's choice (dispatch.mma_choice: the wide GEMV up to M = 64, in 64-row slices)."""
+    the runtime's choice (dispatch.mma_choice: the GEMV up to M = 64)."""
     out = [("mma-dequant", lambda x, mw, y: y.copy_(x @ triton_mma.dequantize(mw, x.dtype).t())),
            ("mma-dispatch", lambda x, mw, y: y.copy_(dispatch.run(x, mw, None, dispatch.choice_for(mw, x.shape[0], x.device))))]
-    if m <= 16:
-        for nw, tiles, reg, split in ((4, 1, None, 1), (8, 2, 128, 1), (4, 4, 168, 1), (4, 2, None, 3)):
-            out.append((f"mma-w{nw}t{tiles}s{split}", lambda x, mw, y, nw=nw, tiles=tiles, reg=reg, split=split:
-                        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, maxnreg=reg, split_k=split, out=y)))
     if m <= 64:
-        for nw, tiles, reg in ((2, 1, None), (4, 2, None), (8, 2, 128), (4, 1, 128)):
-            out.append((f"mma-wide-w{nw}t{tiles}", lambda x, mw, y, nw=nw, tiles=tiles, reg=reg:
-                        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, maxnreg=reg, wide=True, out=y)))
+        for nw, tiles, reg in ((2, 1, None), (4, 2, None), (8, 2, 128), (4, 1, 128), (4, 4, 168)):
+            out.append((f"mma-w{nw}t{tiles}", lambda x, mw, y, nw=nw, tiles=tiles, reg=reg:
+                        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, maxnreg=reg, out=y)))
     return out
 
 

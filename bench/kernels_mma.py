@@ -2,11 +2,11 @@
 
     PYTHONPATH=. python bench/kernels_mma.py --out DIR [--quick]
 
-Correctness: every configuration family (bits, fp16/bf16, one or two column tiles, 1 or 2 tiles per
-step, 4 or 8 warps, split-K, bias, K not a multiple of 128, N not a multiple of 16) against the
+Correctness: every configuration family (bits, fp16/bf16, 1–8 column tiles, 1, 2 or 4 tiles per
+step, 2, 4 or 8 warps, M up to 64, bias, K not a multiple of 128, N not a multiple of 16) against the
 fp32 reference on random weights and inputs, output poisoned with NaN before each run.
-Timing: the four Llama-2-7B linears, M in {1, 2, 4, 8, 16} (W4 g128) and {1, 16} (W8 per channel),
-every (warps, tiles, split-K) configuration, beside fp16 F.linear and the current dispatch choice,
+Timing: the four Llama-2-7B linears, M in {1, 8, 16, 32, 64} (W4 g128) and {1, 16, 32, 64} (W8 per channel),
+every (warps, tiles, register budget) configuration, beside fp16 F.linear and the dispatch's choice,
 CUDA-graph replay medians over a ring of weight buffers. Writes DIR/mma.json.
 """
 
@@ -54,33 +54,30 @@ def check(quick: bool) -> list[dict]:
     rows = []
     shapes = [(4096, 4096), (1000, 4096), (200, 11008), (136, 320)]
     families = [(4, 128, torch.float16), (4, 128, torch.bfloat16), (8, -1, torch.float16), (4, 256, torch.float16)]
-    # warps, (tiles per step, maxnreg), split
-    configs = list(itertools.product((4, 8), ((1, None), (2, 128), (4, 168)), (1, 3)))
+    configs = list(itertools.product((2, 4, 8), ((1, None), (2, 128), (4, 168))))  # warps, (tiles, maxnreg)
     i = 0
     for bits, gs, dtype in families:
         for n, k in shapes:
             mw = random_mw(k, n, bits, gs)
-            for m, wide in ((1, False), (3, False), (8, False), (9, False), (16, False), (1, True), (9, True),
-                            (17, True), (33, True), (64, True)):
-                nw, (tiles, maxnreg), split = configs[i % len(configs)]
+            for m in (1, 3, 8, 9, 16, 17, 33, 64):
+                nw, (tiles, maxnreg) = configs[i % len(configs)]
                 has_bias = i % 3 == 0
                 i += 1
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
                 bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                 try:
-                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, split_k=split, maxnreg=maxnreg, wide=wide,
-                                    out=out)
+                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, maxnreg=maxnreg, out=out)
                     torch.cuda.synchronize()
                     err = rel_err(out, reference(x, mw, bias))
                 except Exception as exc:  # report every failure, keep checking the rest
                     err = float("inf")
                     print(f"FAILED {exc!r}"[:300])
                 row = dict(bits=bits, group_size=gs, dtype=str(dtype), n=n, k=k, m=m, warps=nw, tiles=tiles,
-                           split=split, maxnreg=maxnreg, wide=wide, bias=has_bias, rel_err=err)
+                           maxnreg=maxnreg, bias=has_bias, rel_err=err)
                 rows.append(row)
                 flag = "ok" if err <= 1e-2 else "FAIL"
-                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} s{split} r{maxnreg} wide={wide} "
+                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} r{maxnreg} "
                       f"bias={has_bias}: {err:.2e}", flush=True)
             if quick and n == 1000:
                 break
@@ -88,16 +85,12 @@ def check(quick: bool) -> list[dict]:
 
 
 def sweep(quick: bool) -> list[dict]:
-    """Every configuration of the mma GEMV (M ≤ 16) and of its wide form (M ≤ 64) per shape and M,
-    beside fp16 F.linear and the dispatch's current choice."""
+    """Every configuration of the mma GEMV per shape and M, beside fp16 F.linear and the dispatch's choice."""
     rows = []
-    # (warps, split-K, tiles per step, maxnreg, wide)
-    configs = [(4, 1, 1, None, False), (8, 1, 1, None, False), (4, 1, 2, 128, False), (8, 1, 2, 128, False),
-               (4, 1, 4, 168, False), (8, 1, 2, None, False),
-               (4, 1, 1, None, True), (8, 1, 1, None, True), (4, 1, 2, None, True), (8, 1, 2, 128, True),
-               (4, 1, 1, 128, True), (2, 1, 1, None, True)]
+    # (warps, tiles per step, maxnreg)
+    configs = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, 128), (4, 1, 128), (2, 1, None), (4, 4, 168)]
     if quick:
-        configs = configs[:2] + configs[6:8]
+        configs = configs[:2]
     for bits, ms in ((4, (1, 8, 16, 32, 64)), (8, (1, 16, 32, 64))):
         gs = 128 if bits == 4 else -1
         for shape, (k, n) in SHAPES.items():
@@ -111,23 +104,21 @@ def sweep(quick: bool) -> list[dict]:
                 choice = dispatch.mma_choice(bits, m, n)
                 told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
                 best = None
-                for nw, split, tiles, maxnreg, wide in configs:
-                    if m > 16 and not wide:
-                        continue
+                for nw, tiles, maxnreg in configs:
                     try:
-                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, split_k=split,
-                                                                     maxnreg=maxnreg, wide=wide) for mw in ring])
+                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, maxnreg=maxnreg)
+                                       for mw in ring])
                     except Exception as exc:
-                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} s{split} wide={wide}: {exc!r}"[:300])
+                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles}: {exc!r}"[:300])
                         continue
                     tbps = first.nbytes / us / 1e6
-                    rows.append({**base, "warps": nw, "tiles": tiles, "split": split, "maxnreg": maxnreg, "wide": wide,
-                                 "us": us, "tbps": tbps, "fp16_us": t16, "now_us": told, "now": choice.method})
+                    rows.append({**base, "warps": nw, "tiles": tiles, "maxnreg": maxnreg, "us": us, "tbps": tbps,
+                                 "fp16_us": t16, "now_us": told, "now": choice.method})
                     if best is None or us < best[0]:
-                        best = (us, nw, tiles, split, tbps, maxnreg, wide)
+                        best = (us, nw, tiles, tbps, maxnreg)
                 print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | now {told:6.1f} ({choice.method}) | best "
-                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} s{best[3]} r{best[5]} wide={best[6]} {best[4]:.2f} TB/s"
-                      f" -> x{t16 / best[0]:.2f} fp16", flush=True)
+                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} r{best[4]} {best[3]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
+                      flush=True)
             del ring, fp16
             torch.cuda.empty_cache()
     return rows

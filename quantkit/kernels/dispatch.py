@@ -4,7 +4,7 @@
 buffers are repacked once into a kernel layout and kept on the layer as a plain attribute, rebuilt if
 the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
-  runs the wide mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
+  runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
   in BENCHMARKS.md and bench/KERNELS_NOTES.md);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
   kernel's inline PTX) the block-planar layout (triton_layout) and `TABLE`, measured by
@@ -98,28 +98,28 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132) -> Choice:
     """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs.
 
     Measured on the H200 (run 27 of bench/KERNELS_NOTES.md, `bench/kernels_mma.py`, four Llama-2-7B
-    shapes, M ∈ {1, 8, 16, 32, 64}): the wide GEMV (zero point off the weights, one mma per column
-    tile) up to M = 64, by width of the layer in 16-row tiles and by column tiles (8 rows of x each):
-    narrow layers (o, down: 256 row tiles) want 8 warps until M = 32; layers with ≤ 6 row tiles per SM
-    (qkv) 4 warps; wider ones (gate_up) fewer warps per program. Within 3 % of the best configuration
-    of the sweep for every shape and M. Above M = 64 dequantize + cuBLAS (at M = 64 the wide GEMV is
+    shapes, M ∈ {1, 8, 16, 32, 64}): the mma GEMV up to M = 64, set by the width of the layer in 16-row
+    tiles and by the column tiles (8 rows of x each): narrow layers (o, down: 256 row tiles) want 8
+    warps up to M = 32; layers with ≤ 6 row tiles per SM (qkv) 4 warps; wider ones (gate_up) fewer
+    warps per program. Each choice is within 2.5 % of the best configuration the sweep timed for that
+    shape and M. Above M = 64 dequantize + cuBLAS (at M = 64 the GEMV is
     0.57–0.76× fp16 and dequantize + cuBLAS 0.41–0.51×).
     """
     if m > 64:
         return _CUBLAS
     rows = triton.cdiv(n, 16)
 
-    def wide(num_warps: int, tiles: int, maxnreg: int | None = None) -> Choice:
-        return Choice("mma", dict(num_warps=num_warps, tiles=tiles, maxnreg=maxnreg, wide=True))
+    def mma(num_warps: int, tiles: int, maxnreg: int | None = None) -> Choice:
+        return Choice("mma", dict(num_warps=num_warps, tiles=tiles, maxnreg=maxnreg))
 
     narrow, mid = rows <= 2 * sms, rows <= 6 * sms
     if m <= 8:
-        return wide(8, 2, 128) if narrow else wide(4, 1, 128) if mid or bits == 8 else wide(2, 1)
+        return mma(8, 2, 128) if narrow else mma(4, 1, 128) if mid or bits == 8 else mma(2, 1)
     if m <= 16:
-        return wide(8, 2, 128) if narrow else wide(4, 2) if mid or bits == 4 else wide(2, 1)
+        return mma(8, 2, 128) if narrow else mma(4, 2) if mid or bits == 4 else mma(2, 1)
     if m <= 32:
-        return wide(8, 1) if narrow else wide(2, 1) if mid else wide(4, 1, 128)
-    return wide(2, 1) if not mid else wide(4, 2)
+        return mma(8, 1) if narrow else mma(2, 1) if mid else mma(4, 1, 128)
+    return mma(4, 2) if mid else mma(2, 1)
 
 
 def _interpreted() -> bool:
@@ -189,9 +189,8 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
         if not triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
             x2d = x2d.half()  # e.g. bf16 activations with 8-bit weights: fp16 operands, fp32 sums
         out = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-        rows = 64 if p.get("wide") else 16  # rows of x per launch (8 per column tile of the B operand)
-        for r in range(0, m, rows):
-            triton_mma.gemv(x2d[r:r + rows], kw, bias, out=out[r:r + rows], **p)
+        for r in range(0, m, 64):  # at most 64 rows of x per launch (8 per column tile of the B operand)
+            triton_mma.gemv(x2d[r:r + 64], kw, bias, out=out[r:r + 64], **p)
         return out.to(dtype)
     k8 = kw.qweight.shape[1]
     if choice.method == "gemv":

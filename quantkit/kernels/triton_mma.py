@@ -1,29 +1,35 @@
-"""Tensor-core GEMV for M ≤ 16: the weight tile is the A operand of `mma.sync` m16n8k16, x the B operand.
+"""Tensor-core GEMV for M ≤ 64: the weight tile is the A operand of `mma.sync` m16n8k16, x the B operand.
 
 At M = 1 a CUDA-core GEMV spends ≥ 2 instructions per weight (extract, convert, multiply-add) and in
 practice about 4. Here one warp owns 16 output rows and walks K in tiles of 128 inputs; per tile and
 thread it loads 4 words (W4) or 8 words (W8) of rows g and g + 8 (g = lane / 4) with 16-byte loads,
 turns each word into fp16 pairs with one `lop3` per pair (W4: nibbles under the exponent of 1024, so
-the pair reads 1024 + q; the odd nibbles are read in place as 1024 + 16·q and summed apart) or one
-`prmt` per pair (W8), and hands them to `mma.sync` with fp32 accumulation. The offset
-and the zero point leave through a second `mma` per step whose A operand is −(1024 + z) of the
-row's group: Σ (1024 + q)·x − (1024 + z)·Σ x = Σ (q − z)·x, accumulated exactly in fp32 (the products
-of fp16 values are exact). The scale multiplies once per group. The loop compiles to ≈ 1.95 SASS
-instructions per weight (W4; the CUDA-core GEMV of triton_gemv needs ≈ 3.9).
+the pair reads 1024 + q; the odd nibbles are read in place as 1024 + 16·q) or one `prmt` per pair
+(W8), takes the offset and the zero point off with one `fma` per pair — (1024 + q)·1 − (1024 + z),
+odd nibbles (1024 + 16·q)·1/16 − (64 + z), exact in fp16 (bf16: 128 + q, z < 16) — and hands the
+pairs to `mma.sync` with fp32 accumulation. The scale multiplies once per tile (a tile lies in one
+group). ≈ 2.1 SASS instructions per weight at M = 1 (the CUDA-core GEMV of triton_gemv needs ≈ 3.9).
 
-The B operand's 8 columns carry 8 rows of x (16 with two mma per step), so M ≤ 8 costs what M = 1
-does. The words are repacked once at load time (`pack_mma`) so that each thread's pairs meet 4-input
-runs of x that are contiguous in memory: the thread's x for one tile is four 16-byte loads.
+The B operand's 8 columns carry 8 rows of x; 1, 2, 4 or 8 column tiles (M ≤ 8, 16, 32, 64) share
+each unpacked weight tile, so M ≤ 8 costs what M = 1 does. x is loaded per 32-input chunk; rows of
+x past M are not loaded.
 
-Layout (W4): K is cut into tiles of 128 inputs; tile T of row n holds 16 words, word 4·t + c covering
-inputs 128·T + 32·c + 8·t + (0…7) with the nibble at bits 4·p holding input offset W4_ORDER[p]
-(0, 4, 2, 6, 1, 5, 3, 7). W8: 32 words per tile, word 8·t + 2·c + h covering 128·T + 32·c + 8·t + 4·h + (0…3) in
-byte order. K is padded with zero words to whole tiles; x beyond K is never loaded.
+Layout ("mma layout", made once at load time by `pack_mma`): within a row, K is cut into tiles of
+128 inputs; tile T of row n holds 16 words (W4), word 4·t + c covering inputs 128·T + 32·c + 8·t +
+(0…7) with the nibble at bits 4·p holding input offset W4_ORDER[p] (0, 4, 2, 6, 1, 5, 3, 7), so that
+thread t's pairs meet 4-input runs of x that are contiguous in memory (four 16-byte x loads per
+tile). W8: 32 words per tile, word 8·t + 2·c + h covering 128·T + 32·c + 8·t + 4·h + (0…3) in byte
+order. These row words are then stored as one contiguous block per (16-row tile, K tile): [row
+half, chunk v, lane 4·g + t, 4 words], where row half h and lane hold row 16·r + 8·h + g and chunk v
+the thread's words 4v … 4v + 3. One warp-wide 16-byte load reads 512 contiguous bytes, and a program
+streams its 16 rows front to back (10 % faster at M = 1 than row-major words, run 26). qweight is
+int32 [row tiles, K tiles · 64 · words per thread]; rows past N and K past the last tile are zero.
 
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
 runs on NVIDIA GPUs only (sm_80 and later), not under TRITON_INTERPRET; the CPU tests execute the
-generated PTX with a small interpreter, and `emulate` reproduces the arithmetic in torch. Figures and
-the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 14–24.
+generated PTX with a small interpreter (tests/ptx_interp.py), and `emulate` reproduces the
+arithmetic in torch. Figures and the variants tried: BENCHMARKS.md ("Kernels") and
+bench/KERNELS_NOTES.md, items 14–28.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import triton.language as tl
 
 from quantkit.kernels.triton_gemm import _dequant_values, _zero_bias_scale
 from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, unpack_block_planar
-from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
+from quantkit.kernels.triton_splitk import store_points
 
 TILE_K = 128
 # Step h of a word's two mma steps takes its two fp16 pairs from nibbles (p, p + 4), p = PAIR_NIBBLE[h][i]:
@@ -47,8 +53,8 @@ W4_ORDER = tuple(  # input offset held by nibble p of a word
 
 
 class MmaWeights(PackedWeights):
-    """One layer's weights in the mma layout (module docstring): qweight int32 [N, tiles · words per
-    tile]; scales and zeros as in the block-planar layout."""
+    """One layer's weights in the mma layout (module docstring): qweight int32 [row tiles, blocks];
+    scales and zeros as in the block-planar layout."""
 
 
 def supports(bits: int, group_size: int, in_features: int, groups: int, dtype: torch.dtype) -> bool:
@@ -121,151 +127,13 @@ def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
 
 
 def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
-    """PTX for `tiles` K-tiles of one warp, and its constraints.
-
-    Operands: outputs acc[8]; inputs per tile: word addresses of rows g and g + 8, x addresses of
-    rows g and g + 8, inputs left for the thread's first chunk, the raw scales (fp16) and zero points
-    (uint) of rows g and g + 8; then acc[8]. With one column tile acc[4:8] pass through.
-    All loads are written first and the tiles' mma steps interleaved (step 0 of every tile, then
-    step 1, ...). ptxas still schedules each load just before its first use and the independent chains
-    one after the other unless given a register budget: with `maxnreg` (set by the dispatch for
-    several tiles) all of the warp's weight loads are in flight together.
-    Scales and zeros are converted here. Addresses always point at valid memory (the kernel clamps
-    rows and tiles; a clamped tile has scale 0); only x beyond K is masked, and only when K is not a
-    multiple of 128.
-    """
-    wpt = 4 if bits == 4 else 8  # words per row, thread and tile
-    cons = ["=f"] * 8
-    ops = []
-    for _ in range(tiles):
-        op = {}
-        for name, c in [("wa", "l"), ("wa8", "l"), ("xa", "l"), ("xa8", "l"), ("kl", "r"), ("s", "h"), ("s8", "h"),
-                        ("z", "r"), ("z8", "r")]:
-            op[name] = f"${len(cons)}"
-            cons.append(c)
-        ops.append(op)
-    acc_in = []
-    for _ in range(8):
-        acc_in.append(f"${len(cons)}")
-        cons.append("f")
-
-    n_acc = 4 * col_tiles
-    x16 = bits == 4 and not bf16
-    neg = "0xC300" if bf16 else "0xE400"  # −128 (bf16) / −1024 (fp16) with z in the low mantissa bits
-    L = ["{",
-         ".reg .pred px;",
-         f".reg .b32 w<{2 * wpt * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh, kt, "
-         + ", ".join(f"{z}_{u}" for z in ("zg", "zg8", "zh", "zh8") for u in range(tiles)) + ";",
-         f".reg .f32 d<{n_acc * tiles}>, e<{n_acc * tiles}>, sg, sg8;"]
-    for u, op in enumerate(ops):
-        wb = 2 * wpt * u
-        for v in range(wpt // 4):
-            for row, addr in ((0, op["wa"]), (wpt, op["wa8"])):
-                regs = ", ".join(f"w{wb + row + 4 * v + i}" for i in range(4))
-                L.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{512 * v}];")
-    for u, op in enumerate(ops):
-        L += _x_loads(col_tiles, even_k, u, op["xa"], op["xa8"], op["kl"])
-        # The zero mma's A operands: −(1024 + z) (and −(1024 + 16·z) for the 16× steps) twice per word.
-        for dst, src, shift in (("zg", op["z"], 0), ("zg8", op["z8"], 0), ("zh", op["z"], 4), ("zh8", op["z8"], 4)):
-            if shift and not x16:
-                continue
-            if shift:
-                L.append(f"shl.b32 sh, {src}, {shift};")
-                src = "sh"
-            L.append(f"or.b32 {dst}_{u}, {src}, {neg};")
-            L.append(f"prmt.b32 {dst}_{u}, {dst}_{u}, {dst}_{u}, 0x1010;")
-    L += _mma_steps(bits, col_tiles, bf16, tiles)
-    prev = acc_in
-    for u, op in enumerate(ops):
-        L += [f"cvt.f32.f16 sg, {op['s']};", f"cvt.f32.f16 sg8, {op['s8']};"]
-        L += _scale_into(n_acc, x16, u, prev)
-        prev = [f"${i}" for i in range(n_acc)]
-    L += [f"mov.f32 ${i}, {acc_in[i]};" for i in range(n_acc, 8)]
-    L.append("}")
-    return "\n".join(L), ",".join(cons)
-
-
-def _x_loads(col_tiles: int, even_k: bool, u: int, xa: str, xa8: str, kl: str) -> list[str]:
-    """Tile u's x (the B operands) into x<16·(col_tiles·u + nt) + …>: four 16-byte loads per column
-    tile from the addresses `xa` (x rows g) and `xa8` (rows g + 8); with an odd K the runs at or past
-    `kl` inputs left are not loaded and read as zero."""
-    L = []
-    for nt in range(col_tiles):
-        base = xa if nt == 0 else xa8
-        for c in range(4):
-            xb = 16 * (col_tiles * u + nt) + 4 * c
-            xs = ", ".join(f"x{xb + i}" for i in range(4))
-            if even_k:
-                L.append(f"ld.global.v4.u32 {{{xs}}}, [{base}+{64 * c}];")
-            else:
-                L.append(f"sub.s32 kt, {kl}, {32 * c};")
-                L.append("setp.gt.s32 px, kt, 0;")
-                L += [f"mov.b32 x{xb + i}, 0;" for i in range(4)]
-                L.append(f"@px ld.global.v4.u32 {{{xs}}}, [{base}+{64 * c}];")
-    return L
-
-
-def _mma_steps(bits: int, col_tiles: int, bf16: bool, tiles: int) -> list[str]:
-    """The mma steps of `tiles` loaded tiles into fresh fp32 sums d (and e for the odd nibbles read as
-    1024 + 16·q): words w<2·wpt·u + …> (rows g, then g + 8), x as `_x_loads` leaves it, the zero mma's
-    operands in zg_u, zg8_u (zh_u, zh8_u for the 16× steps). Step 0 of every tile, then step 1, …"""
-    wpt = 4 if bits == 4 else 8
-    n_acc = 4 * col_tiles
-    x16 = bits == 4 and not bf16
-    magic = "0x43004300" if bf16 else "0x64006400"
-    ab = "bf16" if bf16 else "f16"
-    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
-    L = [f"mov.f32 d{i}, 0f00000000;" for i in range(n_acc * tiles)]
-    if x16:
-        L += [f"mov.f32 e{i}, 0f00000000;" for i in range(n_acc * tiles)]
-    for c in range(4):
-        for h in range(2):
-            for u in range(tiles):
-                wb = 2 * wpt * u
-                acc, za, zb = "d", f"zg_{u}", f"zg8_{u}"
-                if bits == 4:
-                    for which, word in ((0, f"w{wb + c}"), (1, f"w{wb + wpt + c}")):
-                        for i, p in enumerate(PAIR_NIBBLE[h]):
-                            odd = x16 and p % 2
-                            shift = 4 * (p - 1) if odd else 4 * p
-                            src = word
-                            if shift:
-                                L.append(f"shr.b32 sh, {word}, {shift};")
-                                src = "sh"
-                            mask = "0x00F000F0" if odd else "0x000F000F"
-                            L.append(f"lop3.b32 a{which + 2 * i}, {src}, {mask}, {magic}, 0xEA;")
-                    if x16 and h == 1:
-                        acc, za, zb = "e", f"zh_{u}", f"zh8_{u}"
-                else:
-                    for which, word in ((0, f"w{wb + 2 * c + h}"), (1, f"w{wb + wpt + 2 * c + h}")):
-                        L.append(f"prmt.b32 a{which}, {word}, 0x64646464, 0x4140;")
-                        L.append(f"prmt.b32 a{which + 2}, {word}, 0x64646464, 0x4342;")
-                for nt in range(col_tiles):
-                    xb = 16 * (col_tiles * u + nt) + 4 * c + 2 * h
-                    dd = ", ".join(f"{acc}{n_acc * u + 4 * nt + i}" for i in range(4))
-                    L.append(f"{mma} {{{dd}}}, {{a0, a1, a2, a3}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
-                    L.append(f"{mma} {{{dd}}}, {{{za}, {zb}, {za}, {zb}}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
-    return L
-
-
-def _scale_into(n_acc: int, x16: bool, u: int, prev: list[str]) -> list[str]:
-    """$i = scale of the row (sg / sg8) · tile u's sum (d + e / 16) + prev[i]."""
-    L = []
-    for i in range(n_acc):
-        j = n_acc * u + i
-        if x16:
-            L.append(f"fma.rn.f32 d{j}, e{j}, 0f3D800000, d{j};")  # + e / 16
-        L.append(f"fma.rn.f32 ${i}, {'sg' if i % 4 < 2 else 'sg8'}, d{j}, {prev[i]};")
-    return L
-
-
-def _asm_wide(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
     """PTX for `tiles` K-tiles of one warp with up to 8 column tiles (M ≤ 64), and its constraints.
 
-    Unlike `_asm`, the zero point is taken off the weights before the mma: one `fma` per fp16 pair,
-    (1024 + q)·1 − (1024 + z) (odd nibbles: (1024 + 16·q)·1/16 − (64 + z)), exact in fp16 and bf16, so
-    each step costs one mma per column tile instead of two, and no second accumulator is needed.
-    x is loaded per 32-input chunk. Operands: outputs acc[4·col_tiles]; inputs per tile: word
+    The zero point is taken off the weights before the mma (one `fma` per fp16 pair, exact), so each
+    step costs one mma per column tile; an earlier form subtracted it with a second mma per step and
+    summed the odd nibbles in a second accumulator (bench/KERNELS_NOTES.md, items 14 and 27).
+    With several tiles, all their word loads come first; ptxas keeps them in flight together only
+    under a register budget (`maxnreg`). x is loaded per 32-input chunk. Operands: outputs acc[4·col_tiles]; inputs per tile: word
     addresses of rows g and g + 8, x address of x row g (clamped to M − 1), inputs left, raw scales
     and zeros of rows g and g + 8; then the byte distance of 8 x rows and M − g (column tile c reads
     x rows 8·c + g while they are < M, zeros past them); then acc[4·col_tiles].
@@ -371,9 +239,9 @@ def _asm_wide(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -
                     dd = ", ".join(f"d{n_acc * u + 4 * nt + i}" for i in range(4))
                     L.append(f"{mma} {{{dd}}}, {{a0, a1, a2, a3}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
     prev = acc_in
-    for u, op in enumerate(ops):
+    for u, op in enumerate(ops):  # $i = scale of the row · tile u's sum + the sum so far
         L += [f"cvt.f32.f16 sg, {op['s']};", f"cvt.f32.f16 sg8, {op['s8']};"]
-        L += _scale_into(n_acc, False, u, prev)
+        L += [f"fma.rn.f32 ${i}, {'sg' if i % 4 < 2 else 'sg8'}, d{n_acc * u + i}, {prev[i]};" for i in range(n_acc)]
         prev = [f"${i}" for i in range(n_acc)]
     L.append("}")
     return "\n".join(L), ",".join(cons)
@@ -382,20 +250,21 @@ def _asm_wide(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, wide: bool = False) -> tuple[str, str]:
-    """The cached PTX and constraints of one configuration (`wide`: `_asm_wide`)."""
-    key = (bits, col_tiles, bf16, even_k, tiles, wide)
+def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
+    """The cached PTX and constraints of one configuration."""
+    key = (bits, col_tiles, bf16, even_k, tiles)
     if key not in _ASM:
-        _ASM[key] = (_asm_wide if wide else _asm)(bits, col_tiles, bf16, even_k, tiles)
+        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
     return _ASM[key]
 
 
 
 @triton.jit
-def _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G,
+def _tile(tile, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
           group_size: tl.constexpr, TILE_BYTES: tl.constexpr):
-    """One tile's operands for each thread: word and x addresses, inputs left, raw scales and zeros
-    of rows g and g + 8. A tile past `hi` is clamped to valid memory and gets scale 0."""
+    """One tile's operands for each thread: word addresses of rows g and g + 8, x address of x row g,
+    inputs left, raw scales and zeros of rows g and g + 8. A tile past `hi` is clamped to valid memory
+    and gets scale 0."""
     ok = tile < hi
     tc = tl.minimum(tile, hi - 1).to(tl.int64)
     gi = tl.minimum(tc * 128 // group_size, G - 1).to(tl.int32)
@@ -404,29 +273,19 @@ def _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok,
     z = tl.load(z_row + gi, mask=ok & row_ok, other=0).to(tl.int32)
     z8 = tl.load(z_row + 8 * G + gi, mask=ok & row8_ok, other=0).to(tl.int32)
     kl = (K - tc * 128 - t * 8).to(tl.int32)
-    return (w_row + tc * TILE_BYTES, w_row8 + tc * TILE_BYTES, x_row + tc * 256, x_row8 + tc * 256, kl,
-            s, s8, z, z8)
-
-
-@triton.jit
-def _tile_wide(tile, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
-               group_size: tl.constexpr, TILE_BYTES: tl.constexpr):
-    """`_tile` for the wide asm: one x address (row g); the other column tiles are offsets from it."""
-    wa, wa8, xa, xa8, kl, s, s8, z, z8 = _tile(tile, hi, w_row, w_row8, x_row, x_row, s_row, z_row, row_ok, row8_ok,
-                                               t, K, G, group_size, TILE_BYTES)
-    return wa, wa8, xa, kl, s, s8, z, z8
+    return w_row + tc * TILE_BYTES, w_row8 + tc * TILE_BYTES, x_row + tc * 256, kl, s, s8, z, z8
 
 
 @triton.jit
 def mma_gemv_kernel(
-    x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
-    TILES: tl.constexpr,
-    SPLIT_K, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr = False,
+    TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
+    """One program per 16 output rows; warp w takes K tiles w, w + NW, …, TILES of them per asm call;
+    the warps' sums meet at the end."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     T: tl.constexpr = 32 * NW
     WPT: tl.constexpr = 4 if BITS == 4 else 8
     e = tl.arange(0, T)
@@ -437,77 +296,40 @@ def mma_gemv_kernel(
     row = pid_n * 16 + g
     row_ok = row < N
     row8_ok = row + 8 < N
-    # Rows past N and x rows past M read valid memory (clamped); their outputs are never stored.
     # The program's blocks (module docstring): thread (g, t) reads bytes 16·lane of each 512-byte chunk.
+    # Rows past N are zero padding; x rows past M are clamped (column tile 0) or not loaded.
     w_row = w_addr + pid_n.to(tl.int64) * KW * 4 + lane * 16
     w_row8 = w_row + WPT * 128
     TILE_BYTES: tl.constexpr = WPT * 256
     x_row = x_addr + tl.minimum(g, M - 1).to(tl.int64) * stride_xm * 2 + t * 16
-    x_row8 = x_addr + tl.minimum(g + 8, M - 1).to(tl.int64) * stride_xm * 2 + t * 16
     s_row = s_ptr + row * G
     z_row = z_ptr + row * G
     n_tiles = tl.cdiv(K, 128)
-    per = tl.cdiv(n_tiles, SPLIT_K)
-    lo = pid_k * per
-    hi = tl.minimum(lo + per, n_tiles)
     zero = tl.zeros([T], dtype=tl.float32)
-    acc = (zero, zero, zero, zero, zero, zero, zero, zero)
-    tile = lo + warp  # warp w takes tiles lo + w, lo + w + NW, ...
-    if WIDE:
-        acc = (zero,) * (4 * COLS)
-        rows8 = stride_xm.to(tl.int64) * 16 + e * 0  # bytes of 8 x rows, per thread
-        m_left = M - g
-    for _ in range(0, tl.cdiv(hi - lo, NW * TILES)):
-        if WIDE:
-            ops = _tile_wide(tile, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G, group_size,
-                             TILE_BYTES)
-            for u in tl.static_range(1, TILES):
-                ops = ops + _tile_wide(tile + u * NW, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K,
-                                       G, group_size, TILE_BYTES)
-            acc = tl.inline_asm_elementwise(ASM, CONS, ops + (rows8, m_left) + acc, dtype=(tl.float32,) * (4 * COLS),
-                                            is_pure=True, pack=1)
-        else:
-            ops = _tile(tile, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t, K, G, group_size,
-                        TILE_BYTES)
-            for u in tl.static_range(1, TILES):
-                ops = ops + _tile(tile + u * NW, hi, w_row, w_row8, x_row, x_row8, s_row, z_row, row_ok, row8_ok, t,
-                                  K, G, group_size, TILE_BYTES)
-            acc = tl.inline_asm_elementwise(ASM, CONS, ops + acc, dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    acc = (zero,) * (4 * COLS)
+    rows8 = stride_xm.to(tl.int64) * 16 + e * 0  # bytes of 8 x rows, per thread
+    m_left = M - g
+    tile = warp
+    for _ in range(0, tl.cdiv(n_tiles, NW * TILES)):
+        ops = _tile(tile, n_tiles, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G, group_size,
+                    TILE_BYTES)
+        for u in tl.static_range(1, TILES):
+            ops = ops + _tile(tile + u * NW, n_tiles, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
+                              group_size, TILE_BYTES)
+        acc = tl.inline_asm_elementwise(ASM, CONS, ops + (rows8, m_left) + acc, dtype=(tl.float32,) * (4 * COLS),
+                                        is_pure=True, pack=1)
         tile += NW * TILES
-    if WIDE:  # one store per column tile (no split-K)
-        lane32 = tl.arange(0, 32)
-        n0 = pid_n * 16 + lane32 // 4
-        m0 = (lane32 % 4) * 2
-        offs_m = _pairs(m0, m0 + 1, m0, m0 + 1)
-        offs_n = _pairs(n0, n0, n0 + 8, n0 + 8)
-        for nt in tl.static_range(COLS):
-            vals = _pairs(_warp_sum(acc[4 * nt], NW), _warp_sum(acc[4 * nt + 1], NW), _warp_sum(acc[4 * nt + 2], NW),
-                          _warp_sum(acc[4 * nt + 3], NW))
-            store_points(vals, offs_m + 8 * nt, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, pid_n, 0,
-                         1, False, HAS_BIAS)
-    else:
-        _store_acc(acc, pid_n, pid_k, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, SPLIT, HAS_BIAS,
-                   NW, COLS)
-
-
-@triton.jit
-def _store_acc(acc, pid_n, pid_k, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K,
-               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, NW: tl.constexpr, COLS: tl.constexpr):
-    """Sum the warps' K slices of the mma fragments `acc` and write them (through split-K if SPLIT)."""
-    # Lane (g, t) then holds rows g and g + 8 for x rows 2t and 2t + 1.
+    # Lane (g, t) holds rows g and g + 8 for x rows 2t and 2t + 1 of each column tile.
     lane32 = tl.arange(0, 32)
     n0 = pid_n * 16 + lane32 // 4
     m0 = (lane32 % 4) * 2
-    vals = _pairs(_warp_sum(acc[0], NW), _warp_sum(acc[1], NW), _warp_sum(acc[2], NW), _warp_sum(acc[3], NW))
     offs_m = _pairs(m0, m0 + 1, m0, m0 + 1)
     offs_n = _pairs(n0, n0, n0 + 8, n0 + 8)
-    if COLS == 2:
-        vals = tl.reshape(tl.join(vals, _pairs(_warp_sum(acc[4], NW), _warp_sum(acc[5], NW), _warp_sum(acc[6], NW),
-                                               _warp_sum(acc[7], NW))), [256])
-        offs_m = tl.reshape(tl.join(offs_m, offs_m + 8), [256])
-        offs_n = tl.reshape(tl.join(offs_n, offs_n), [256])
-    store_points(vals, offs_m, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr, pid_n, pid_k,
-                 SPLIT_K, SPLIT, HAS_BIAS)
+    for nt in tl.static_range(COLS):
+        vals = _pairs(_warp_sum(acc[4 * nt], NW), _warp_sum(acc[4 * nt + 1], NW), _warp_sum(acc[4 * nt + 2], NW),
+                      _warp_sum(acc[4 * nt + 3], NW))
+        store_points(vals, offs_m + 8 * nt, offs_n, M, N, out_ptr, stride_om, bias_ptr, out_ptr, out_ptr, pid_n, 0,
+                     1, False, HAS_BIAS)
 
 
 @triton.jit
@@ -527,36 +349,29 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     num_warps: int = 4,
-    split_k: int = 1,
     tiles: int = 1,
     maxnreg: int | None = None,
-    wide: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [M, N] = x [M, K] · Wᵀ (+ bias) on the tensor cores; x fp16 (or bf16 with W4).
+    """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 64 on the tensor cores; x fp16 (or bf16 with W4).
 
-    M ≤ 16, or M ≤ 64 with `wide` (`_asm_wide`: zero point off the weights, one mma per column tile;
-    no split-K)."""
+    `num_warps` warps per 16 output rows split K between them, `tiles` K-tiles per asm call, `maxnreg`
+    a register budget for ptxas (with several tiles it keeps all their loads in flight)."""
     m, k = x.shape
-    limit = 64 if wide else 16
-    if m > limit:
-        raise ValueError(f"the mma GEMV takes at most {limit} rows of x, got {m}")
+    if m > 64:
+        raise ValueError(f"the mma GEMV takes at most 64 rows of x, got {m}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     n = mw.out_features
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    split_k = 1 if wide else clamp_split(max(1, min(split_k, triton.cdiv(k, TILE_K))), m, n)
-    ws = workspace(split_k, m, n, x.device)
-    row_tiles = triton.cdiv(n, 16)
-    cols = 1 << max(0, (triton.cdiv(m, 8) - 1).bit_length()) if wide else (1 if m <= 8 else 2)
-    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles, wide)
-    mma_gemv_kernel[(row_tiles, split_k)](
-        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
-        counters(x.device, row_tiles), m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
+    cols = 1 << max(0, (triton.cdiv(m, 8) - 1).bit_length())  # column tiles of 8 x rows: 1, 2, 4 or 8
+    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles)
+    mma_gemv_kernel[(triton.cdiv(n, 16),)](
+        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out,
+        m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
         group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
-        SPLIT_K=split_k, SPLIT=split_k > 1, HAS_BIAS=bias is not None, WIDE=wide,
-        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        HAS_BIAS=bias is not None, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
 
@@ -619,8 +434,8 @@ def dequantize(mw: MmaWeights, dtype: torch.dtype, block_n: int = 16, tiles: int
 
 def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     """What the kernel computes, in torch on any device, following its operands (for the CPU tests):
-    fp16 pairs 1024 + q from the words, x pairs in the slots the layout assigns, the zero mma, fp32
-    sums per group, the scale once per group. Returns fp32 [M, N]."""
+    fp16 pairs 1024 + q from the words, x pairs in the slots the layout assigns, the offset and zero
+    point off, fp32 sums per group, the scale once per group. Returns fp32 [M, N]."""
     m, k = x.shape
     n = mw.out_features
     kp = -(-k // TILE_K) * TILE_K

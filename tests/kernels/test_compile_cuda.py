@@ -55,8 +55,8 @@ SCRIPT = textwrap.dedent("""
 
     from quantkit.kernels import triton_mma
     MMA = {"x_addr": "i64", "w_addr": "i64", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16",
-           "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-           "KW": "i32", "G": "i32", "stride_xm": "i32", "stride_om": "i32", "SPLIT_K": "i32"}
+           "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "KW": "i32", "G": "i32", "stride_xm": "i32",
+           "stride_om": "i32"}
     seen = set()
     for bits in (4, 8):
         for m in (1, 16, 32, 64):
@@ -69,9 +69,9 @@ SCRIPT = textwrap.dedent("""
                 seen.add(key)
                 p = c.params
                 for bf16, even_k in ((False, True), (bits == 4, False)):
-                    asm, cons = triton_mma.asm_for(bits, cols, bf16, even_k, p["tiles"], p["wide"])
+                    asm, cons = triton_mma.asm_for(bits, cols, bf16, even_k, p["tiles"])
                     ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=cols, NW=p["num_warps"],
-                              TILES=p["tiles"], SPLIT=False, HAS_BIAS=True, WIDE=p["wide"])
+                              TILES=p["tiles"], HAS_BIAS=True)
                     opts = {"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}
                     out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=p["num_warps"], **opts)
                     assert out.asm.get("cubin"), (bits, m, p)

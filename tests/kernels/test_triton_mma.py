@@ -79,25 +79,23 @@ def _store(memory: dict[int, int], base: int, t: torch.Tensor) -> None:
         memory[base + i] = data[i] | data[i + 1] << 8 | data[i + 2] << 16 | data[i + 3] << 24
 
 
-@pytest.mark.parametrize("bits,m,tiles,k,bf16,wide", [
-    (4, 1, 1, 128, False, False), (4, 3, 2, 256, False, False), (4, 11, 1, 128, False, False),
-    (8, 5, 2, 256, False, False), (4, 2, 1, 96, False, False), (4, 4, 2, 256, True, False),
-    (8, 16, 1, 128, False, False), (8, 9, 2, 256, False, False),
-    (4, 1, 1, 128, False, True), (4, 13, 2, 256, False, True), (4, 30, 1, 96, False, True),
-    (4, 20, 1, 128, True, True), (8, 64, 1, 128, False, True), (8, 6, 2, 200, False, True),
+@pytest.mark.parametrize("bits,m,tiles,k,bf16", [
+    (4, 1, 1, 128, False), (4, 3, 2, 256, False), (4, 11, 1, 128, False), (8, 5, 2, 256, False),
+    (4, 2, 1, 96, False), (4, 4, 2, 256, True), (8, 16, 1, 128, False), (4, 13, 2, 256, False),
+    (4, 30, 1, 96, False), (4, 20, 1, 128, True), (8, 64, 1, 128, False), (8, 6, 2, 200, False),
 ])
-def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16, wide):
-    """The asm of one warp, with inputs as the kernel's _tile() / _tile_wide() compute them for warp 0
-    of a one-warp program (tiles 0, 1, …), gives x · Wᵀ over those tiles."""
+def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
+    """The asm of one warp, with inputs as the kernel's _tile() computes them for warp 0 of a one-warp
+    program (tiles 0, 1, …), gives x · Wᵀ over those tiles, for 1 to 8 column tiles of x."""
     n, gs = 16, 128
     mw, _, w = random_layer(n, k, bits, gs, seed=m)
     dtype = torch.bfloat16 if bf16 else torch.float16
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    cols = (1 << max(0, (-(-m // 8) - 1).bit_length())) if wide else (1 if m <= 8 else 2)
+    cols = 1 << max(0, (-(-m // 8) - 1).bit_length())
     even_k = k % 128 == 0
-    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles, wide)
-    outs = 4 * cols if wide else 8
-    assert len(cons.split(",")) == (outs + 8 * tiles + 2 + outs if wide else 8 + 9 * tiles + 8)
+    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles)
+    outs = 4 * cols
+    assert len(cons.split(",")) == outs + 8 * tiles + 2 + outs
     # memory: words at 0x100000, x (padded with NaN past K and past M: never read) at 0x800000
     memory: dict[int, int] = {}
     wbase, xbase = 0x100000, 0x800000
@@ -116,14 +114,11 @@ def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16, wide):
             gi = tile * 128 // gs
             wa = wbase + lane * 16 + tile * wpt * 256  # block (0, tile)
             ins += [wa, wa + wpt * 128, xbase + min(g, m - 1) * row_bytes + t * 16 + tile * 256]
-            if not wide:
-                ins.append(xbase + min(g + 8, m - 1) * row_bytes + t * 16 + tile * 256)
             ins += [k - tile * 128 - t * 8,
                     int(mw.scales[g, gi].view(torch.int16)) & 0xFFFF,
                     int(mw.scales[g + 8, gi].view(torch.int16)) & 0xFFFF,
                     int(mw.zeros[g, gi]), int(mw.zeros[g + 8, gi])]
-        if wide:
-            ins += [8 * row_bytes, m - g]
+        ins += [8 * row_bytes, m - g]
         ins += [0.0] * outs
         lanes.append(ins)
     out = Cta(asm, lanes, memory, bf16, first_input=outs).run()
