@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="directory for mma.json")
     ap.add_argument("--quick", action="store_true", help="fewer checks and configurations")
     ap.add_argument("--skip-check", action="store_true", help="timing only")
+    ap.add_argument("--skip-sweep", action="store_true", help="checks only")
     ap.add_argument("--floor", action="store_true", help="only the time-against-K series (launch floor)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +171,8 @@ def main() -> None:
         bad = [r for r in res["check"] if not r["rel_err"] <= 1e-2]
         print(f"checks: {len(res['check'])}, failures {len(bad)}, worst "
               f"{max(r['rel_err'] for r in res['check']):.2e} ({time.time() - t0:.0f} s)", flush=True)
-    res["sweep"] = sweep(args.quick)
+    if not args.skip_sweep:
+        res["sweep"] = sweep(args.quick)
     (args.out / "mma.json").write_text(json.dumps(res, indent=1))
     print(f"done in {time.time() - t0:.0f} s")
 

@@ -79,7 +79,7 @@ SCRIPT = textwrap.dedent("""
     for bits in (4, 8):
         d = build(triton_mma.dequant_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
                   "out_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "G": "i32"},
-                  dict(group_size=128, BITS=bits, BLOCK_N=16, TILES=2), num_warps=4)
+                  dict(group_size=128, BITS=bits, TILES=2), num_warps=4)
         assert d.asm.get("cubin")
     print("mma configurations", len(seen))
     print("compiled", count)

@@ -57,9 +57,10 @@ def test_emulate_matches_reference(bits, k, gs):
 
 @pytest.mark.parametrize("bits,gs", [(4, 128), (4, 256), (8, 160)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequantize_kernel(triton_interpreter, bits, gs, dtype):
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_dequantize_kernel(triton_interpreter, bits, gs, dtype, tiles):
     mw, _, w = random_layer(33, 160 if bits == 8 else 192, bits, gs, seed=7)
-    out = tm.dequantize(mw, dtype, block_n=16, tiles=1)
+    out = tm.dequantize(mw, dtype, tiles=tiles)
     torch.testing.assert_close(out, w.to(dtype), rtol=0, atol=0)
 
 
