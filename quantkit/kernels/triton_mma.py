@@ -385,7 +385,7 @@ def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl
     8·t + (0…7) (the nibble for input offset o is o with its three bits reversed: W4_ORDER is its
     own inverse), W8 words 8·t + 2·c + h hold 32·c + 8·t + 4·h + (0…3) in byte order. Permuting
     [t, c] to [c, t] puts the tile in input order; a tile lies in one group. (Gathering each row's
-    words from the blocks instead was 7–35 % slower, run 30.)"""
+    words from the blocks instead was 7–35 % slower, run 31.)"""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
