@@ -133,10 +133,11 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
     step costs one mma per column tile; an earlier form subtracted it with a second mma per step and
     summed the odd nibbles in a second accumulator (bench/KERNELS_NOTES.md, items 14 and 27).
     With several tiles, all their word loads come first; ptxas keeps them in flight together only
-    under a register budget (`maxnreg`). x is loaded per 32-input chunk. Operands: outputs acc[4·col_tiles]; inputs per tile: word
-    addresses of rows g and g + 8, x address of x row g (clamped to M − 1), inputs left, raw scales
-    and zeros of rows g and g + 8; then the byte distance of 8 x rows and M − g (column tile c reads
-    x rows 8·c + g while they are < M, zeros past them); then acc[4·col_tiles].
+    under a register budget (`maxnreg`). x is loaded per 32-input chunk.
+    Operands: outputs acc[4·col_tiles]; inputs per tile: word addresses of rows g and g + 8, x
+    address of x row g (clamped to M − 1), inputs left, raw scales and zeros of rows g and g + 8;
+    then the byte distance of 8 x rows and M − g (column tile c reads x rows 8·c + g while they are
+    < M, zeros past them); then acc[4·col_tiles].
     """
     wpt = 4 if bits == 4 else 8
     n_acc = 4 * col_tiles
