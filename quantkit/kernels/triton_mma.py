@@ -84,14 +84,18 @@ def _row_words(q: torch.Tensor, bits: int) -> torch.Tensor:
     return words.to(torch.int32).reshape(n, -1)
 
 
-def _blocks(words: torch.Tensor, bits: int, inverse: bool = False, n: int = 0) -> torch.Tensor:
-    """Row words [N, KW] ↔ blocks [row tiles, KW · 16] (`inverse`: back to [n, KW])."""
+def _unblocks(blocks: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The inverse of `_blocks`: row words [n, KW]."""
     wpt = 4 if bits == 4 else 8
-    if inverse:
-        rt, per = words.shape
-        kt = per // (64 * wpt)
-        w = words.reshape(rt, kt, 2, wpt // 4, 8, 4, 4).permute(0, 2, 4, 1, 5, 3, 6)  # [r, half, g, T, t, v, i]
-        return w.reshape(rt * 16, kt * 4 * wpt)[:n]
+    rt, per = blocks.shape
+    kt = per // (64 * wpt)
+    w = blocks.reshape(rt, kt, 2, wpt // 4, 8, 4, 4).permute(0, 2, 4, 1, 5, 3, 6)  # [r, half, g, T, t, v, i]
+    return w.reshape(rt * 16, kt * 4 * wpt)[:n]
+
+
+def _blocks(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Row words [N, KW] → blocks [row tiles, KW · 16] (module docstring); rows past N are zero."""
+    wpt = 4 if bits == 4 else 8
     rows, kw = -(-words.shape[0] // 16) * 16, words.shape[1]
     w = torch.zeros(rows, kw, dtype=torch.int32, device=words.device)
     w[:words.shape[0]] = words
@@ -107,7 +111,7 @@ def pack_mma(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_mma(qweight: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor:
     """The inverse of `pack_mma` (for tests and checks): int64 [n, K]."""
-    words = _blocks(qweight, bits, inverse=True, n=n)
+    words = _unblocks(qweight, bits, n)
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=qweight.device)
     vals = (words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)  # [N, words, per word]
     if bits == 4:
@@ -161,7 +165,7 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
     one = "0x3F803F80" if bf16 else "0x3C003C00"
     L = ["{",
          ".reg .pred px, pr;",
-         f".reg .b32 w<{2 * wpt * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh, kt, mt, one, sixteenth, "
+         f".reg .b32 w<{2 * wpt * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh, kt, one, sixteenth, "
          + ", ".join(f"{z}_{u}" for z in ("zg", "zg8", "zh", "zh8") for u in range(tiles)) + ";",
          f".reg .f32 d<{n_acc * tiles}>, sg, sg8;",
          f".reg .b64 xc<{col_tiles}>;",
@@ -200,7 +204,7 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
                 elif nt:
                     conds.append("mov.pred px, pr;")
                 addr = op["xa"]
-                if nt:
+                if nt:  # x rows 8·nt + g, per chunk: hoisting it out of the c loop made ptxas spill more at 8 column tiles
                     L.append(f"mul.lo.s64 xc{nt}, {xs}, {nt};")
                     L.append(f"add.s64 xc{nt}, xc{nt}, {op['xa']};")
                     addr = f"xc{nt}"
@@ -257,7 +261,6 @@ def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> 
     if key not in _ASM:
         _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
     return _ASM[key]
-
 
 
 @triton.jit
@@ -441,7 +444,7 @@ def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     m, k = x.shape
     n = mw.out_features
     kp = -(-k // TILE_K) * TILE_K
-    words = _blocks(mw.qweight, mw.bits, inverse=True, n=n).to(torch.int64) & 0xFFFFFFFF
+    words = _unblocks(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF
     xs = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
     xs[:, :k] = x.float()
     if mw.bits == 4:

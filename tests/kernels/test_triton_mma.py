@@ -14,7 +14,7 @@ import torch
 
 from quantkit.kernels import triton_mma as tm
 from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
-from ptx_interp import Cta
+from ptx_interp import Warp
 
 
 def random_layer(n: int, k: int, bits: int, gs: int, seed: int = 0):
@@ -122,7 +122,7 @@ def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
         ins += [8 * row_bytes, m - g]
         ins += [0.0] * outs
         lanes.append(ins)
-    out = Cta(asm, lanes, memory, bf16, first_input=outs).run()
+    out = Warp(asm, lanes, memory, bf16, first_input=outs).run()
     ref = x.float() @ w[:, : tiles * 128].t() if k >= tiles * 128 else x.float() @ w.t()
     got = torch.zeros(m, n)
     for lane in range(32):
