@@ -117,7 +117,8 @@ def sweep(quick: bool) -> list[dict]:
                     if best is None or us < best[0]:
                         best = (us, nw, tiles, tbps, maxnreg)
                 print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | now {told:6.1f} ({choice.method}) | best "
-                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} r{best[4]} {best[3]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
+                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} r{best[4]} {best[3]:.2f} TB/s "
+                      f"-> x{t16 / best[0]:.2f} fp16",
                       flush=True)
             del ring, fp16
             torch.cuda.empty_cache()

@@ -204,7 +204,7 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
                 elif nt:
                     conds.append("mov.pred px, pr;")
                 addr = op["xa"]
-                if nt:  # x rows 8·nt + g, per chunk: hoisting it out of the c loop made ptxas spill more at 8 column tiles
+                if nt:  # x rows 8·nt + g, per chunk (hoisted out of the c loop, ptxas spilled more at 8 column tiles)
                     L.append(f"mul.lo.s64 xc{nt}, {xs}, {nt};")
                     L.append(f"add.s64 xc{nt}, xc{nt}, {op['xa']};")
                     addr = f"xc{nt}"
