@@ -68,9 +68,10 @@ def mma_variants(m: int):
     out = [("mma-dequant", lambda x, mw, y: y.copy_(x @ triton_mma.dequantize(mw, x.dtype).t())),
            ("mma-dispatch", lambda x, mw, y: y.copy_(dispatch.run(x, mw, None, dispatch.choice_for(mw, x.shape[0], x.device))))]
     if m <= 64:
-        for nw, tiles, reg in ((2, 1, None), (4, 2, None), (8, 2, 128), (4, 1, 128), (4, 4, 168)):
-            out.append((f"mma-w{nw}t{tiles}", lambda x, mw, y, nw=nw, tiles=tiles, reg=reg:
-                        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, maxnreg=reg, out=y)))
+        for nw, tiles, rows, reg in ((2, 1, 1, None), (4, 2, 1, None), (8, 2, 1, 128), (4, 1, 1, 128), (4, 4, 1, 168),
+                                     (4, 1, 2, None), (8, 1, 4, None), (2, 2, 2, 168)):
+            out.append((f"mma-w{nw}t{tiles}r{rows}", lambda x, mw, y, nw=nw, tiles=tiles, rows=rows, reg=reg:
+                        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=rows, maxnreg=reg, out=y)))
     return out
 
 

@@ -6,8 +6,10 @@ Correctness: every configuration family (bits, fp16/bf16, 1–8 column tiles, 1,
 step, 2, 4 or 8 warps, M up to 64, bias, K not a multiple of 128, N not a multiple of 16) against the
 fp32 reference on random weights and inputs, output poisoned with NaN before each run.
 Timing: the four Llama-2-7B linears, M in {1, 8, 16, 32, 64} (W4 g128) and {1, 16, 32, 64} (W8 per channel),
-every (warps, tiles, register budget) configuration, beside fp16 F.linear and the dispatch's choice,
-CUDA-graph replay medians over a ring of weight buffers. Writes DIR/mma.json.
+every (warps, tiles, row tiles, register budget) configuration of CONFIGS, beside fp16 F.linear and
+the dispatch's choice, CUDA-graph replay medians over a ring of weight buffers. The kernels are
+compiled first by a pool of processes (Triton's on-disk cache then serves the timed process).
+Writes DIR/mma.json.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def random_mw(k: int, n: int, bits: int, group_size: int) -> MmaWeights:
     gs = k if group_size == -1 else group_size
     g = -(-k // gs)
     words = -(-k // 128) * 128 * bits // 32 * 16  # per 16-row tile (rows past N are padding)
+    row_tiles = -(-n // (16 * triton_mma.ROW_TILES_MAX)) * triton_mma.ROW_TILES_MAX
     return MmaWeights(
-        qweight=torch.randint(-(2**31), 2**31 - 1, (-(-n // 16), words), dtype=torch.int32, device="cuda"),
+        qweight=torch.randint(-(2**31), 2**31 - 1, (row_tiles, words), dtype=torch.int32, device="cuda"),
         scales=(torch.rand(n, g, device="cuda") * 0.01 + 0.001).half(),
         zeros=torch.randint(0, 2**bits, (n, g), dtype=torch.uint8, device="cuda"),
         bits=bits, group_size=gs, in_features=k, out_features=n,
@@ -50,48 +53,119 @@ def reference(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None) -> tor
     return y if bias is None else y + bias.float()
 
 
-def check(quick: bool) -> list[dict]:
-    rows = []
+def _check_cases(quick: bool) -> list[tuple]:
     shapes = [(4096, 4096), (1000, 4096), (200, 11008), (136, 320)]
-    families = [(4, 128, torch.float16), (4, 128, torch.bfloat16), (8, -1, torch.float16), (4, 256, torch.float16)]
-    configs = list(itertools.product((2, 4, 8), ((1, None), (2, 128), (4, 168))))  # warps, (tiles, maxnreg)
-    i = 0
+    families = [(4, 128, "float16"), (4, 128, "bfloat16"), (8, -1, "float16"), (4, 256, "float16")]
+    # warps, (tiles, row tiles, maxnreg)
+    configs = list(itertools.product((2, 4, 8), ((1, 1, None), (2, 1, 128), (4, 1, 168), (1, 2, None), (2, 4, 168),
+                                                 (1, 4, None))))
+    cases, i = [], 0
     for bits, gs, dtype in families:
         for n, k in shapes:
-            mw = random_mw(k, n, bits, gs)
             for m in (1, 3, 8, 9, 16, 17, 33, 64):
-                nw, (tiles, maxnreg) = configs[i % len(configs)]
-                has_bias = i % 3 == 0
+                cases.append((bits, gs, dtype, n, k, m, configs[i % len(configs)], i % 3 == 0, i))
                 i += 1
-                x = torch.randn(m, k, device="cuda", dtype=dtype)
-                bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
-                out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                try:
-                    triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, maxnreg=maxnreg, out=out)
-                    torch.cuda.synchronize()
-                    err = rel_err(out, reference(x, mw, bias))
-                except Exception as exc:  # report every failure, keep checking the rest
-                    err = float("inf")
-                    print(f"FAILED {exc!r}"[:300])
-                row = dict(bits=bits, group_size=gs, dtype=str(dtype), n=n, k=k, m=m, warps=nw, tiles=tiles,
-                           maxnreg=maxnreg, bias=has_bias, rel_err=err)
-                rows.append(row)
-                flag = "ok" if err <= 1e-2 else "FAIL"
-                print(f"{flag} W{bits} g{gs} {dtype} N={n} K={k} M={m} w{nw} t{tiles} r{maxnreg} "
-                      f"bias={has_bias}: {err:.2e}", flush=True)
             if quick and n == 1000:
                 break
+    return cases
+
+
+def _check_case(case: tuple) -> dict:
+    """One configuration against the fp32 reference (in a pool process: the cases compile in parallel)."""
+    bits, gs, dtype_name, n, k, m, (nw, (tiles, nrows, maxnreg)), has_bias, seed = case
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(seed)
+    mw = random_mw(k, n, bits, gs)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    error = ""
+    try:
+        triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg, out=out)
+        torch.cuda.synchronize()
+        err = rel_err(out, reference(x, mw, bias))
+    except Exception as exc:  # report every failure, keep checking the rest
+        err, error = float("inf"), f"{exc!r}"[:300]
+    return dict(bits=bits, group_size=gs, dtype=dtype_name, n=n, k=k, m=m, warps=nw, tiles=tiles, rows=nrows,
+                maxnreg=maxnreg, bias=has_bias, rel_err=err, error=error)
+
+
+def check(quick: bool, workers: int = 12) -> list[dict]:
+    """Every configuration family (module docstring) against the reference, NaN-poisoned outputs."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        rows = pool.map(_check_case, _check_cases(quick), chunksize=1)
+    for r in rows:
+        flag = "ok" if r["rel_err"] <= 1e-2 else "FAIL"
+        print(f"{flag} W{r['bits']} g{r['group_size']} {r['dtype']} N={r['n']} K={r['k']} M={r['m']} w{r['warps']} "
+              f"t{r['tiles']} rows{r['rows']} r{r['maxnreg']} bias={r['bias']}: {r['rel_err']:.2e} {r['error']}")
     return rows
 
 
-def sweep(quick: bool) -> list[dict]:
-    """Every configuration of the mma GEMV per shape and M, beside fp16 F.linear and the dispatch's choice."""
+# (warps, tiles per step, row tiles per program, maxnreg) by column tiles of x (M ≤ 8, 16, 32, 64). Row
+# tiles 1: the configurations of run 27; 2 and 4: those that compile for sm_90a without spills in the
+# loop (ptxas, Triton 3.6, checked on the CPU before the run).
+CONFIGS = {
+    1: [(4, 1, 1, None), (8, 1, 1, None), (4, 2, 1, None), (8, 2, 1, 128), (4, 1, 1, 128), (2, 1, 1, None),
+        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None), (4, 1, 2, 128), (8, 2, 2, 168), (4, 1, 4, None),
+        (8, 1, 4, None), (2, 1, 4, None)],
+    2: [(4, 1, 1, None), (8, 1, 1, None), (4, 2, 1, None), (8, 2, 1, 128), (2, 1, 1, None),
+        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None), (4, 2, 2, None), (4, 1, 4, None), (8, 1, 4, None),
+        (2, 1, 4, None)],
+    4: [(4, 1, 1, None), (8, 1, 1, None), (2, 1, 1, None), (4, 1, 1, 128),
+        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None)],
+    8: [(4, 1, 1, None), (4, 2, 1, None), (2, 1, 1, None), (8, 1, 1, None),
+        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None)],
+}
+SWEEP = ((4, (1, 8, 16, 32, 64)), (8, (1, 16, 32, 64)))
+
+
+def _cols(m: int) -> int:
+    return 1 << max(0, (triton.cdiv(m, 8) - 1).bit_length())
+
+
+def _compile_jobs(quick: bool) -> list[tuple]:
+    """One small launch per (bits, K class, M, configuration): same specialization as the timed calls."""
+    jobs = []
+    for bits, ms in SWEEP:
+        for k in sorted({k for k, _ in SHAPES.values()}):
+            for m in ms:
+                for cfg in CONFIGS[_cols(m)][: 2 if quick else None]:
+                    jobs.append((bits, k, m, cfg))
+    return jobs
+
+
+def _compile_one(job: tuple) -> str:
+    bits, k, m, (nw, tiles, nrows, maxnreg) = job
+    try:
+        mw = random_mw(k, 256, bits, 128 if bits == 4 else -1)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as exc:  # the timed process reports it again
+        return f"{job}: {exc!r}"[:200]
+
+
+def precompile(quick: bool, workers: int = 12) -> None:
+    """Compile every configuration the sweep times in parallel processes (fills Triton's disk cache)."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    jobs = _compile_jobs(quick)
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]
+    print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f} s, {len(errors)} failed", flush=True)
+    for e in errors:
+        print("  " + e)
+
+
+def sweep(quick: bool, dump: Path | None = None) -> list[dict]:
+    """Every configuration of the mma GEMV per shape and M, beside fp16 F.linear and the dispatch's choice
+    (the rows so far written to `dump` after each shape, in case the run is cut short)."""
     rows = []
-    # (warps, tiles per step, maxnreg)
-    configs = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, 128), (4, 1, 128), (2, 1, None), (4, 4, 168)]
-    if quick:
-        configs = configs[:2]
-    for bits, ms in ((4, (1, 8, 16, 32, 64)), (8, (1, 16, 32, 64))):
+    for bits, ms in SWEEP:
         gs = 128 if bits == 4 else -1
         for shape, (k, n) in SHAPES.items():
             first = random_mw(k, n, bits, gs)
@@ -104,24 +178,26 @@ def sweep(quick: bool) -> list[dict]:
                 choice = dispatch.mma_choice(bits, m, n)
                 told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
                 best = None
-                for nw, tiles, maxnreg in configs:
+                for nw, tiles, nrows, maxnreg in CONFIGS[_cols(m)][: 2 if quick else None]:
                     try:
-                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, maxnreg=maxnreg)
-                                       for mw in ring])
+                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows,
+                                                                     maxnreg=maxnreg) for mw in ring])
                     except Exception as exc:
-                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles}: {exc!r}"[:300])
+                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} rows{nrows}: {exc!r}"[:300])
                         continue
                     tbps = first.nbytes / us / 1e6
-                    rows.append({**base, "warps": nw, "tiles": tiles, "maxnreg": maxnreg, "us": us, "tbps": tbps,
-                                 "fp16_us": t16, "now_us": told, "now": choice.method})
+                    rows.append({**base, "warps": nw, "tiles": tiles, "rows": nrows, "maxnreg": maxnreg, "us": us,
+                                 "tbps": tbps, "fp16_us": t16, "now_us": told, "now": choice.method})
                     if best is None or us < best[0]:
-                        best = (us, nw, tiles, tbps, maxnreg)
+                        best = (us, nw, tiles, tbps, maxnreg, nrows)
                 print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | now {told:6.1f} ({choice.method}) | best "
-                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} r{best[4]} {best[3]:.2f} TB/s "
+                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} rows{best[5]} r{best[4]} {best[3]:.2f} TB/s "
                       f"-> x{t16 / best[0]:.2f} fp16",
                       flush=True)
             del ring, fp16
             torch.cuda.empty_cache()
+            if dump is not None:
+                dump.write_text(json.dumps(rows))
     return rows
 
 
@@ -173,7 +249,8 @@ def main() -> None:
         print(f"checks: {len(res['check'])}, failures {len(bad)}, worst "
               f"{max(r['rel_err'] for r in res['check']):.2e} ({time.time() - t0:.0f} s)", flush=True)
     if not args.skip_sweep:
-        res["sweep"] = sweep(args.quick)
+        precompile(args.quick)
+        res["sweep"] = sweep(args.quick, args.out / "sweep_partial.json")
     (args.out / "mma.json").write_text(json.dumps(res, indent=1))
     print(f"done in {time.time() - t0:.0f} s")
 

@@ -84,6 +84,8 @@ class Warp:
             r[args[0]] = v(args[1]) and v(args[2])
         elif op == "mul.lo.s64":
             r[args[0]] = v(args[1]) * v(args[2])
+        elif op == "mad.lo.s64":
+            r[args[0]] = v(args[1]) * v(args[2]) + v(args[3])
         elif op == "add.s64":
             r[args[0]] = v(args[1]) + v(args[2])
         elif op == "sub.s32":

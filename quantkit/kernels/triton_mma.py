@@ -12,7 +12,9 @@ group). ≈ 2.1 SASS instructions per weight at M = 1 (the CUDA-core GEMV of tri
 
 The B operand's 8 columns carry 8 rows of x; 1, 2, 4 or 8 column tiles (M ≤ 8, 16, 32, 64) share
 each unpacked weight tile, so M ≤ 8 costs what M = 1 does. x is loaded per 32-input chunk; rows of
-x past M are not loaded.
+x past M are not loaded. A warp may take 1, 2 or 4 row tiles (16 rows each) at once: their weights
+then share each x chunk, which cuts the x traffic (at M = 16–64 larger than the weights') by that
+factor.
 
 Layout ("mma layout", made once at load time by `pack_mma`): within a row, K is cut into tiles of
 128 inputs; tile T of row n holds 16 words (W4), word 4·t + c covering inputs 128·T + 32·c + 8·t +
@@ -23,7 +25,8 @@ order. These row words are then stored as one contiguous block per (16-row tile,
 half, chunk v, lane 4·g + t, 4 words], where row half h and lane hold row 16·r + 8·h + g and chunk v
 the thread's words 4v … 4v + 3. One warp-wide 16-byte load reads 512 contiguous bytes, and a program
 streams its 16 rows front to back (10 % faster at M = 1 than row-major words, run 26). qweight is
-int32 [row tiles, K tiles · 64 · words per thread]; rows past N and K past the last tile are zero.
+int32 [row tiles, K tiles · 64 · words per thread]; rows past N (up to a multiple of 64) and K past
+the last tile are zero.
 
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
 runs on NVIDIA GPUs only (sm_80 and later), not under TRITON_INTERPRET; the CPU tests execute the
@@ -43,6 +46,7 @@ from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, unpack_
 from quantkit.kernels.triton_splitk import store_points
 
 TILE_K = 128
+ROW_TILES_MAX = 4  # most 16-row tiles one GEMV program takes (`gemv(rows=…)`); qweight's row tiles are a multiple
 # Step h of a word's two mma steps takes its two fp16 pairs from nibbles (p, p + 4), p = PAIR_NIBBLE[h][i]:
 # the pair's inputs are offsets 4·h + 2·i and 4·h + 2·i + 1 of the word's 8. Odd p sit 4 bits up, so
 # with fp16 the step with odd p reads them in place as 1024 + 16·q (one lop3, no shift).
@@ -94,9 +98,11 @@ def _unblocks(blocks: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 def _blocks(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Row words [N, KW] → blocks [row tiles, KW · 16] (module docstring); rows past N are zero."""
+    """Row words [N, KW] → blocks [row tiles, KW · 16] (module docstring); rows past N are zero, and
+    the row tiles a multiple of ROW_TILES_MAX so that a program of up to that many row tiles never
+    reads past the buffer."""
     wpt = 4 if bits == 4 else 8
-    rows, kw = -(-words.shape[0] // 16) * 16, words.shape[1]
+    rows, kw = -(-words.shape[0] // (16 * ROW_TILES_MAX)) * 16 * ROW_TILES_MAX, words.shape[1]
     w = torch.zeros(rows, kw, dtype=torch.int32, device=words.device)
     w[:words.shape[0]] = words
     kt = kw // (4 * wpt)
@@ -130,32 +136,38 @@ def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
                       kw.out_features)
 
 
-def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
-    """PTX for `tiles` K-tiles of one warp with up to 8 column tiles (M ≤ 64), and its constraints.
+def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, rows: int = 1) -> tuple[str, str]:
+    """PTX for `tiles` K-tiles of one warp over `rows` 16-row tiles with up to 8 column tiles (M ≤ 64),
+    and its constraints.
 
     The zero point is taken off the weights before the mma (one `fma` per fp16 pair, exact), so each
-    step costs one mma per column tile; an earlier form subtracted it with a second mma per step and
-    summed the odd nibbles in a second accumulator (bench/KERNELS_NOTES.md, items 14 and 27).
-    With several tiles, all their word loads come first; ptxas keeps them in flight together only
-    under a register budget (`maxnreg`). x is loaded per 32-input chunk.
-    Operands: outputs acc[4·col_tiles]; inputs per tile: word addresses of rows g and g + 8, x
-    address of x row g (clamped to M − 1), inputs left, raw scales and zeros of rows g and g + 8;
-    then the byte distance of 8 x rows and M − g (column tile c reads x rows 8·c + g while they are
-    < M, zeros past them); then acc[4·col_tiles].
+    step costs one mma per column tile and row tile; an earlier form subtracted it with a second mma
+    per step and summed the odd nibbles in a second accumulator (bench/KERNELS_NOTES.md, items 14 and
+    27). x is loaded per 32-input chunk and shared by the `rows` row tiles (x is re-read once per 16·rows
+    weight rows). With several tiles or rows, all their word loads come first; ptxas keeps them in
+    flight together only under a register budget (`maxnreg`).
+    Operands: outputs acc[4·col_tiles·rows] (row tile r, column tile c at 4·(col_tiles·r + c));
+    inputs per K-tile: word address of row g of row tile 0, x address of x row g (clamped to M − 1),
+    inputs left, then per row tile the raw scales and zeros of rows g and g + 8; then the byte
+    distance between two row tiles' blocks, the byte distance of 8 x rows and M − g (column tile c
+    reads x rows 8·c + g while they are < M, zeros past them); then acc[4·col_tiles·rows].
     """
     wpt = 4 if bits == 4 else 8
-    n_acc = 4 * col_tiles
+    n_acc = 4 * col_tiles * rows
     cons = ["=f"] * n_acc
     ops = []
     for _ in range(tiles):
         op = {}
-        for name, c in [("wa", "l"), ("wa8", "l"), ("xa", "l"), ("kl", "r"), ("s", "h"), ("s8", "h"), ("z", "r"),
-                        ("z8", "r")]:
+        for name, c in [("wa", "l"), ("xa", "l"), ("kl", "r")]:
             op[name] = f"${len(cons)}"
             cons.append(c)
+        for r in range(rows):
+            for name, c in [("s", "h"), ("s8", "h"), ("z", "r"), ("z8", "r")]:
+                op[f"{name}{r}"] = f"${len(cons)}"
+                cons.append(c)
         ops.append(op)
-    xs, mg = f"${len(cons)}", f"${len(cons) + 1}"
-    cons += ["l", "r"]
+    rs, xs, mg = f"${len(cons)}", f"${len(cons) + 1}", f"${len(cons) + 2}"
+    cons += ["l", "l", "r"]
     acc_in = [f"${len(cons) + i}" for i in range(n_acc)]
     cons += ["f"] * n_acc
     x16 = bits == 4 and not bf16
@@ -163,30 +175,38 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
     ab = "bf16" if bf16 else "f16"
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32"
     one = "0x3F803F80" if bf16 else "0x3C003C00"
+    per_tile = 2 * wpt * rows  # word registers of one K-tile
+    zregs = [f"{z}_{u}_{r}" for z in ("zg", "zg8", "zh", "zh8") for u in range(tiles) for r in range(rows)]
     L = ["{",
          ".reg .pred px, pr;",
-         f".reg .b32 w<{2 * wpt * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh, kt, one, sixteenth, "
-         + ", ".join(f"{z}_{u}" for z in ("zg", "zg8", "zh", "zh8") for u in range(tiles)) + ";",
+         f".reg .b32 w<{per_tile * tiles}>, x<{16 * col_tiles * tiles}>, a<4>, sh, kt, one, sixteenth, "
+         + ", ".join(zregs) + ";",
          f".reg .f32 d<{n_acc * tiles}>, sg, sg8;",
-         f".reg .b64 xc<{col_tiles}>;",
+         f".reg .b64 xc<{col_tiles}>{', ra' if rows > 1 else ''};",
          f"mov.b32 one, {one};", "mov.b32 sixteenth, 0x2C002C00;"]
     for u, op in enumerate(ops):
-        wb = 2 * wpt * u
-        for v in range(wpt // 4):
-            for row, addr in ((0, op["wa"]), (wpt, op["wa8"])):
-                regs = ", ".join(f"w{wb + row + 4 * v + i}" for i in range(4))
-                L.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{512 * v}];")
+        for r in range(rows):
+            wb = per_tile * u + 2 * wpt * r
+            addr = op["wa"]
+            if r:
+                L.append(f"mad.lo.s64 ra, {rs}, {r}, {op['wa']};")
+                addr = "ra"
+            for v in range(wpt // 4):
+                for row in (0, wpt):  # rows g and g + 8: the second row half starts wpt·128 bytes on
+                    regs = ", ".join(f"w{wb + row + 4 * v + i}" for i in range(4))
+                    L.append(f"ld.global.L1::no_allocate.v4.u32 {{{regs}}}, [{addr}+{512 * v + 128 * row}];")
     for u, op in enumerate(ops):
-        # −(1024 + z) (bf16: −(128 + z)) per row, twice per word; odd nibbles: −(64 + z), z·16 in the mantissa.
-        for dst, src, shift, base in (("zg", op["z"], 0, "0xE400"), ("zg8", op["z8"], 0, "0xE400"),
-                                      ("zh", op["z"], 4, "0xD400"), ("zh8", op["z8"], 4, "0xD400")):
-            if shift and not x16:
-                continue
-            if shift:
-                L.append(f"shl.b32 sh, {src}, {shift};")
-                src = "sh"
-            L.append(f"or.b32 {dst}_{u}, {src}, {'0xC300' if bf16 else base};")
-            L.append(f"prmt.b32 {dst}_{u}, {dst}_{u}, {dst}_{u}, 0x1010;")
+        for r in range(rows):
+            # −(1024 + z) (bf16: −(128 + z)) per row, twice per word; odd nibbles: −(64 + z), z·16 in the mantissa.
+            for dst, src, shift, base in (("zg", op[f"z{r}"], 0, "0xE400"), ("zg8", op[f"z8{r}"], 0, "0xE400"),
+                                          ("zh", op[f"z{r}"], 4, "0xD400"), ("zh8", op[f"z8{r}"], 4, "0xD400")):
+                if shift and not x16:
+                    continue
+                if shift:
+                    L.append(f"shl.b32 sh, {src}, {shift};")
+                    src = "sh"
+                L.append(f"or.b32 {dst}_{u}_{r}, {src}, {'0xC300' if bf16 else base};")
+                L.append(f"prmt.b32 {dst}_{u}_{r}, {dst}_{u}_{r}, {dst}_{u}_{r}, 0x1010;")
     L += [f"mov.f32 d{i}, 0f00000000;" for i in range(n_acc * tiles)]
     for c in range(4):
         for u, op in enumerate(ops):
@@ -216,37 +236,43 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
                     L.append(f"ld.global.v4.u32 {{{xr}}}, [{addr}+{64 * c}];")
         for h in range(2):
             for u in range(tiles):
-                wb = 2 * wpt * u
-                if bits == 4:
-                    for which, word in ((0, f"w{wb + c}"), (1, f"w{wb + wpt + c}")):
-                        z = f"zg_{u}" if which == 0 else f"zg8_{u}"
-                        for i, p in enumerate(PAIR_NIBBLE[h]):
-                            odd = x16 and p % 2
-                            shift = 4 * (p - 1) if odd else 4 * p
-                            src = word
-                            if shift:
-                                L.append(f"shr.b32 sh, {word}, {shift};")
-                                src = "sh"
-                            mask = "0x00F000F0" if odd else "0x000F000F"
-                            reg = f"a{which + 2 * i}"
-                            L.append(f"lop3.b32 {reg}, {src}, {mask}, {magic}, 0xEA;")
-                            zz = z.replace("zg", "zh") if odd else z
-                            L.append(f"fma.rn.{ab}x2 {reg}, {reg}, {'sixteenth' if odd else 'one'}, {zz};")
-                else:
-                    for which, word in ((0, f"w{wb + 2 * c + h}"), (1, f"w{wb + wpt + 2 * c + h}")):
-                        z = f"zg_{u}" if which == 0 else f"zg8_{u}"
-                        L.append(f"prmt.b32 a{which}, {word}, 0x64646464, 0x4140;")
-                        L.append(f"prmt.b32 a{which + 2}, {word}, 0x64646464, 0x4342;")
-                        L.append(f"fma.rn.f16x2 a{which}, a{which}, one, {z};")
-                        L.append(f"fma.rn.f16x2 a{which + 2}, a{which + 2}, one, {z};")
-                for nt in range(col_tiles):
-                    xb = 16 * (col_tiles * u + nt) + 4 * c + 2 * h
-                    dd = ", ".join(f"d{n_acc * u + 4 * nt + i}" for i in range(4))
-                    L.append(f"{mma} {{{dd}}}, {{a0, a1, a2, a3}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
+                for r in range(rows):
+                    wb = per_tile * u + 2 * wpt * r
+                    zs = f"_{u}_{r}"
+                    if bits == 4:
+                        for which, word in ((0, f"w{wb + c}"), (1, f"w{wb + wpt + c}")):
+                            z = ("zg" if which == 0 else "zg8") + zs
+                            for i, p in enumerate(PAIR_NIBBLE[h]):
+                                odd = x16 and p % 2
+                                shift = 4 * (p - 1) if odd else 4 * p
+                                src = word
+                                if shift:
+                                    L.append(f"shr.b32 sh, {word}, {shift};")
+                                    src = "sh"
+                                mask = "0x00F000F0" if odd else "0x000F000F"
+                                reg = f"a{which + 2 * i}"
+                                L.append(f"lop3.b32 {reg}, {src}, {mask}, {magic}, 0xEA;")
+                                zz = z.replace("zg", "zh") if odd else z
+                                L.append(f"fma.rn.{ab}x2 {reg}, {reg}, {'sixteenth' if odd else 'one'}, {zz};")
+                    else:
+                        for which, word in ((0, f"w{wb + 2 * c + h}"), (1, f"w{wb + wpt + 2 * c + h}")):
+                            z = ("zg" if which == 0 else "zg8") + zs
+                            L.append(f"prmt.b32 a{which}, {word}, 0x64646464, 0x4140;")
+                            L.append(f"prmt.b32 a{which + 2}, {word}, 0x64646464, 0x4342;")
+                            L.append(f"fma.rn.f16x2 a{which}, a{which}, one, {z};")
+                            L.append(f"fma.rn.f16x2 a{which + 2}, a{which + 2}, one, {z};")
+                    for nt in range(col_tiles):
+                        xb = 16 * (col_tiles * u + nt) + 4 * c + 2 * h
+                        d0 = n_acc * u + 4 * (col_tiles * r + nt)
+                        dd = ", ".join(f"d{d0 + i}" for i in range(4))
+                        L.append(f"{mma} {{{dd}}}, {{a0, a1, a2, a3}}, {{x{xb}, x{xb + 1}}}, {{{dd}}};")
     prev = acc_in
     for u, op in enumerate(ops):  # $i = scale of the row · tile u's sum + the sum so far
-        L += [f"cvt.f32.f16 sg, {op['s']};", f"cvt.f32.f16 sg8, {op['s8']};"]
-        L += [f"fma.rn.f32 ${i}, {'sg' if i % 4 < 2 else 'sg8'}, d{n_acc * u + i}, {prev[i]};" for i in range(n_acc)]
+        for r in range(rows):
+            L += [f"cvt.f32.f16 sg, {op[f's{r}']};", f"cvt.f32.f16 sg8, {op[f's8{r}']};"]
+            for j in range(4 * col_tiles):
+                i = 4 * col_tiles * r + j
+                L.append(f"fma.rn.f32 ${i}, {'sg' if i % 4 < 2 else 'sg8'}, d{n_acc * u + i}, {prev[i]};")
         prev = [f"${i}" for i in range(n_acc)]
     L.append("}")
     return "\n".join(L), ",".join(cons)
@@ -255,20 +281,27 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tup
 _ASM: dict = {}
 
 
-def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int) -> tuple[str, str]:
+def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, rows: int = 1) -> tuple[str, str]:
     """The cached PTX and constraints of one configuration."""
-    key = (bits, col_tiles, bf16, even_k, tiles)
+    key = (bits, col_tiles, bf16, even_k, tiles, rows)
     if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles)
+        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles, rows)
     return _ASM[key]
 
 
 @triton.jit
-def _tile(tile, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
+def _tile(tile, hi, w_row, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
           group_size: tl.constexpr, TILE_BYTES: tl.constexpr):
-    """One tile's operands for each thread: word addresses of rows g and g + 8, x address of x row g,
-    inputs left, raw scales and zeros of rows g and g + 8. A tile past `hi` is clamped to valid memory
-    and gets scale 0."""
+    """One tile's operands for each thread: word address of row g, x address of x row g, inputs left.
+    A tile past `hi` is clamped to valid memory (its scales are 0, see `_tile_scales`)."""
+    tc = tl.minimum(tile, hi - 1).to(tl.int64)
+    kl = (K - tc * 128 - t * 8).to(tl.int32)
+    return w_row + tc * TILE_BYTES, x_row + tc * 256, kl
+
+
+@triton.jit
+def _tile_scales(tile, hi, s_row, z_row, row_ok, row8_ok, G, group_size: tl.constexpr):
+    """Raw scales and zeros of rows g and g + 8 of one row tile for one K-tile (scale 0 past `hi`)."""
     ok = tile < hi
     tc = tl.minimum(tile, hi - 1).to(tl.int64)
     gi = tl.minimum(tc * 128 // group_size, G - 1).to(tl.int32)
@@ -276,8 +309,18 @@ def _tile(tile, hi, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G
     s8 = tl.load(s_row + 8 * G + gi, mask=ok & row8_ok, other=0.0)
     z = tl.load(z_row + gi, mask=ok & row_ok, other=0).to(tl.int32)
     z8 = tl.load(z_row + 8 * G + gi, mask=ok & row8_ok, other=0).to(tl.int32)
-    kl = (K - tc * 128 - t * 8).to(tl.int32)
-    return w_row + tc * TILE_BYTES, w_row8 + tc * TILE_BYTES, x_row + tc * 256, kl, s, s8, z, z8
+    return s, s8, z, z8
+
+
+@triton.jit
+def _tile_ops(tile, hi, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size: tl.constexpr,
+              TILE_BYTES: tl.constexpr, ROWS: tl.constexpr):
+    """The asm operands of one K-tile: `_tile`, then `_tile_scales` of each of the ROWS row tiles."""
+    ops = _tile(tile, hi, w_row, x_row, s_row, z_row, row < N, row + 8 < N, t, K, G, group_size, TILE_BYTES)
+    for r in tl.static_range(ROWS):
+        ops = ops + _tile_scales(tile, hi, s_row + 16 * r * G, z_row + 16 * r * G, row + 16 * r < N,
+                                 row + 16 * r + 8 < N, G, group_size)
+    return ops
 
 
 @triton.jit
@@ -285,10 +328,10 @@ def mma_gemv_kernel(
     x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
-    TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TILES: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr = 1,
 ):
-    """One program per 16 output rows; warp w takes K tiles w, w + NW, …, TILES of them per asm call;
-    the warps' sums meet at the end."""
+    """One program per 16·ROWS output rows; warp w takes K tiles w, w + NW, …, TILES of them per asm
+    call, for all ROWS row tiles; the warps' sums meet at the end."""
     pid_n = tl.program_id(0)
     T: tl.constexpr = 32 * NW
     WPT: tl.constexpr = 4 if BITS == 4 else 8
@@ -297,43 +340,42 @@ def mma_gemv_kernel(
     lane = e % 32
     g = lane // 4
     t = lane % 4
-    row = pid_n * 16 + g
-    row_ok = row < N
-    row8_ok = row + 8 < N
-    # The program's blocks (module docstring): thread (g, t) reads bytes 16·lane of each 512-byte chunk.
-    # Rows past N are zero padding; x rows past M are clamped (column tile 0) or not loaded.
-    w_row = w_addr + pid_n.to(tl.int64) * KW * 4 + lane * 16
-    w_row8 = w_row + WPT * 128
+    row = pid_n * 16 * ROWS + g
+    # The program's blocks (module docstring): thread (g, t) reads bytes 16·lane of each 512-byte chunk;
+    # row tile r's blocks start r·KW words on. Rows past N are zero padding; x rows past M are clamped
+    # (column tile 0) or not loaded.
+    w_row = w_addr + pid_n.to(tl.int64) * ROWS * KW * 4 + lane * 16
     TILE_BYTES: tl.constexpr = WPT * 256
     x_row = x_addr + tl.minimum(g, M - 1).to(tl.int64) * stride_xm * 2 + t * 16
     s_row = s_ptr + row * G
     z_row = z_ptr + row * G
     n_tiles = tl.cdiv(K, 128)
     zero = tl.zeros([T], dtype=tl.float32)
-    acc = (zero,) * (4 * COLS)
+    acc = (zero,) * (4 * COLS * ROWS)
     rows8 = stride_xm.to(tl.int64) * 16 + e * 0  # bytes of 8 x rows, per thread
+    tile_rows = KW.to(tl.int64) * 4 + e * 0  # bytes between two row tiles' blocks
     m_left = M - g
     tile = warp
     for _ in range(0, tl.cdiv(n_tiles, NW * TILES)):
-        ops = _tile(tile, n_tiles, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G, group_size,
-                    TILE_BYTES)
+        ops = _tile_ops(tile, n_tiles, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size, TILE_BYTES, ROWS)
         for u in tl.static_range(1, TILES):
-            ops = ops + _tile(tile + u * NW, n_tiles, w_row, w_row8, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
-                              group_size, TILE_BYTES)
-        acc = tl.inline_asm_elementwise(ASM, CONS, ops + (rows8, m_left) + acc, dtype=(tl.float32,) * (4 * COLS),
-                                        is_pure=True, pack=1)
+            ops = ops + _tile_ops(tile + u * NW, n_tiles, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size,
+                                  TILE_BYTES, ROWS)
+        acc = tl.inline_asm_elementwise(ASM, CONS, ops + (tile_rows, rows8, m_left) + acc,
+                                        dtype=(tl.float32,) * (4 * COLS * ROWS), is_pure=True, pack=1)
         tile += NW * TILES
-    # Lane (g, t) holds rows g and g + 8 for x rows 2t and 2t + 1 of each column tile.
+    # Lane (g, t) holds rows g and g + 8 of each row tile for x rows 2t and 2t + 1 of each column tile.
     lane32 = tl.arange(0, 32)
-    n0 = pid_n * 16 + lane32 // 4
     m0 = (lane32 % 4) * 2
     offs_m = _pairs(m0, m0 + 1, m0, m0 + 1)
-    offs_n = _pairs(n0, n0, n0 + 8, n0 + 8)
-    for nt in tl.static_range(COLS):
-        vals = _pairs(_warp_sum(acc[4 * nt], NW), _warp_sum(acc[4 * nt + 1], NW), _warp_sum(acc[4 * nt + 2], NW),
-                      _warp_sum(acc[4 * nt + 3], NW))
-        store_points(vals, offs_m + 8 * nt, offs_n, M, N, out_ptr, stride_om, bias_ptr, out_ptr, out_ptr, pid_n, 0,
-                     1, False, HAS_BIAS)
+    for r in tl.static_range(ROWS):
+        n0 = (pid_n * ROWS + r) * 16 + lane32 // 4
+        offs_n = _pairs(n0, n0, n0 + 8, n0 + 8)
+        for nt in tl.static_range(COLS):
+            vals = _pairs(_warp_sum(acc[4 * (COLS * r + nt)], NW), _warp_sum(acc[4 * (COLS * r + nt) + 1], NW),
+                          _warp_sum(acc[4 * (COLS * r + nt) + 2], NW), _warp_sum(acc[4 * (COLS * r + nt) + 3], NW))
+            store_points(vals, offs_m + 8 * nt, offs_n, M, N, out_ptr, stride_om, bias_ptr, out_ptr, out_ptr,
+                         pid_n, 0, 1, False, HAS_BIAS)
 
 
 @triton.jit
@@ -354,28 +396,32 @@ def gemv(
     *,
     num_warps: int = 4,
     tiles: int = 1,
+    rows: int = 1,
     maxnreg: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 64 on the tensor cores; x fp16 (or bf16 with W4).
 
-    `num_warps` warps per 16 output rows split K between them, `tiles` K-tiles per asm call, `maxnreg`
-    a register budget for ptxas (with several tiles it keeps all their loads in flight)."""
+    A program takes 16·`rows` output rows, whose `num_warps` warps split K between them, `tiles`
+    K-tiles per asm call; `maxnreg` is a register budget for ptxas (with several tiles it keeps all
+    their loads in flight)."""
     m, k = x.shape
     if m > 64:
         raise ValueError(f"the mma GEMV takes at most 64 rows of x, got {m}")
+    if rows not in (1, 2, 4) or mw.qweight.shape[0] % rows:
+        raise ValueError(f"rows (16-row tiles per program) must be 1, 2 or {ROW_TILES_MAX}, got {rows}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     n = mw.out_features
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cols = 1 << max(0, (triton.cdiv(m, 8) - 1).bit_length())  # column tiles of 8 x rows: 1, 2, 4 or 8
-    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles)
-    mma_gemv_kernel[(triton.cdiv(n, 16),)](
+    asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles, rows)
+    mma_gemv_kernel[(triton.cdiv(n, 16 * rows),)](
         x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out,
         m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
         group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
-        HAS_BIAS=bias is not None, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        HAS_BIAS=bias is not None, ROWS=rows, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
 

@@ -69,13 +69,14 @@ SCRIPT = textwrap.dedent("""
                 seen.add(key)
                 p = c.params
                 for bf16, even_k in ((False, True), (bits == 4, False)):
-                    asm, cons = triton_mma.asm_for(bits, cols, bf16, even_k, p["tiles"])
+                    rows = p.get("rows", 1)
+                    asm, cons = triton_mma.asm_for(bits, cols, bf16, even_k, p["tiles"], rows)
                     ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=cols, NW=p["num_warps"],
-                              TILES=p["tiles"], HAS_BIAS=True)
+                              TILES=p["tiles"], HAS_BIAS=True, ROWS=rows)
                     opts = {"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}
                     out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=p["num_warps"], **opts)
                     assert out.asm.get("cubin"), (bits, m, p)
-                    assert out.asm["ptx"].count("mma.sync") == 8 * cols * p["tiles"]
+                    assert out.asm["ptx"].count("mma.sync") == 8 * cols * p["tiles"] * rows
     for bits in (4, 8):
         d = build(triton_mma.dequant_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
                   "out_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "G": "i32"},

@@ -34,7 +34,7 @@ def random_layer(n: int, k: int, bits: int, gs: int, seed: int = 0):
 def test_pack_roundtrip(bits, k):
     q = torch.randint(0, 2**bits, (19, k), generator=torch.Generator().manual_seed(k))
     words = tm.pack_mma(q, bits)
-    assert words.shape == (2, 16 * -(-k // 128) * 128 * bits // 32)
+    assert words.shape == (4, 16 * -(-k // 128) * 128 * bits // 32)
     assert torch.equal(tm.unpack_mma(words, bits, k, 19), q)
 
 
@@ -80,23 +80,26 @@ def _store(memory: dict[int, int], base: int, t: torch.Tensor) -> None:
         memory[base + i] = data[i] | data[i + 1] << 8 | data[i + 2] << 16 | data[i + 3] << 24
 
 
-@pytest.mark.parametrize("bits,m,tiles,k,bf16", [
-    (4, 1, 1, 128, False), (4, 3, 2, 256, False), (4, 11, 1, 128, False), (8, 5, 2, 256, False),
-    (4, 2, 1, 96, False), (4, 4, 2, 256, True), (8, 16, 1, 128, False), (4, 13, 2, 256, False),
-    (4, 30, 1, 96, False), (4, 20, 1, 128, True), (8, 64, 1, 128, False), (8, 6, 2, 200, False),
+@pytest.mark.parametrize("bits,m,tiles,k,bf16,rows", [
+    (4, 1, 1, 128, False, 1), (4, 3, 2, 256, False, 1), (4, 11, 1, 128, False, 1), (8, 5, 2, 256, False, 1),
+    (4, 2, 1, 96, False, 1), (4, 4, 2, 256, True, 1), (8, 16, 1, 128, False, 1), (4, 13, 2, 256, False, 1),
+    (4, 30, 1, 96, False, 1), (4, 20, 1, 128, True, 1), (8, 64, 1, 128, False, 1), (8, 6, 2, 200, False, 1),
+    (4, 1, 1, 128, False, 2), (4, 16, 2, 256, False, 4), (8, 9, 1, 200, False, 2), (4, 37, 1, 128, True, 2),
+    (8, 33, 2, 256, False, 4), (4, 64, 1, 96, False, 2),
 ])
-def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
-    """The asm of one warp, with inputs as the kernel's _tile() computes them for warp 0 of a one-warp
-    program (tiles 0, 1, …), gives x · Wᵀ over those tiles, for 1 to 8 column tiles of x."""
-    n, gs = 16, 128
-    mw, _, w = random_layer(n, k, bits, gs, seed=m)
+def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16, rows):
+    """The asm of one warp, with inputs as the kernel's _tile_ops() computes them for warp 0 of a
+    one-warp program (tiles 0, 1, …), gives x · Wᵀ over those tiles, for 1 to 8 column tiles of x and
+    1, 2 or 4 row tiles. The last row tile is partly past N (its rows are zero padding, scales 0)."""
+    n, gs = 16 * rows - 5, 128
+    mw, _, w = random_layer(n, k, bits, gs, seed=m + rows)
     dtype = torch.bfloat16 if bf16 else torch.float16
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     cols = 1 << max(0, (-(-m // 8) - 1).bit_length())
     even_k = k % 128 == 0
-    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles)
-    outs = 4 * cols
-    assert len(cons.split(",")) == outs + 8 * tiles + 2 + outs
+    asm, cons = tm.asm_for(bits, cols, bf16, even_k, tiles, rows)
+    outs = 4 * cols * rows
+    assert len(cons.split(",")) == outs + (3 + 4 * rows) * tiles + 3 + outs
     # memory: words at 0x100000, x (padded with NaN past K and past M: never read) at 0x800000
     memory: dict[int, int] = {}
     wbase, xbase = 0x100000, 0x800000
@@ -107,31 +110,37 @@ def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16):
     _store(memory, xbase, xpad)
     row_bytes = (kp + 8) * 2
     wpt = 4 if bits == 4 else 8
+    s_pad = torch.zeros(16 * rows, mw.scales.shape[1], dtype=torch.float16)
+    s_pad[:n] = mw.scales  # the kernel masks the scale loads of rows past N to 0
+    z_pad = torch.zeros(16 * rows, mw.zeros.shape[1], dtype=torch.uint8)
+    z_pad[:n] = mw.zeros
     lanes = []
     for lane in range(32):
         g, t = divmod(lane, 4)
         ins = []
         for tile in range(tiles):
             gi = tile * 128 // gs
-            wa = wbase + lane * 16 + tile * wpt * 256  # block (0, tile)
-            ins += [wa, wa + wpt * 128, xbase + min(g, m - 1) * row_bytes + t * 16 + tile * 256]
-            ins += [k - tile * 128 - t * 8,
-                    int(mw.scales[g, gi].view(torch.int16)) & 0xFFFF,
-                    int(mw.scales[g + 8, gi].view(torch.int16)) & 0xFFFF,
-                    int(mw.zeros[g, gi]), int(mw.zeros[g + 8, gi])]
-        ins += [8 * row_bytes, m - g]
+            ins += [wbase + lane * 16 + tile * wpt * 256, xbase + min(g, m - 1) * row_bytes + t * 16 + tile * 256,
+                    k - tile * 128 - t * 8]  # block (0, tile), x, inputs left
+            for r in range(rows):
+                ins += [int(s_pad[16 * r + g, gi].view(torch.int16)) & 0xFFFF,
+                        int(s_pad[16 * r + g + 8, gi].view(torch.int16)) & 0xFFFF,
+                        int(z_pad[16 * r + g, gi]), int(z_pad[16 * r + g + 8, gi])]
+        ins += [mw.qweight.shape[1] * 4, 8 * row_bytes, m - g]
         ins += [0.0] * outs
         lanes.append(ins)
     out = Warp(asm, lanes, memory, bf16, first_input=outs).run()
-    ref = x.float() @ w[:, : tiles * 128].t() if k >= tiles * 128 else x.float() @ w.t()
-    got = torch.zeros(m, n)
+    ref = x.float()[:, : tiles * 128] @ w[:, : tiles * 128].t()
+    got = torch.zeros(m, 16 * rows)
     for lane in range(32):
         g, t = divmod(lane, 4)
-        for nt in range(cols):
-            for i, (row, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
-                if col + 8 * nt < m:
-                    got[col + 8 * nt, row] = out[lane][4 * nt + i]
-    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+        for r in range(rows):
+            for nt in range(cols):
+                for i, (row, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
+                    if col + 8 * nt < m:
+                        got[col + 8 * nt, 16 * r + row] = out[lane][4 * (cols * r + nt) + i]
+    torch.testing.assert_close(got[:, :n], ref, rtol=2e-3, atol=2e-3)
+    assert torch.all(got[:, n:] == 0)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -140,7 +149,7 @@ def test_blocks_place_each_threads_words(bits):
     rows = tm._row_words(q, bits)
     wpt = 4 if bits == 4 else 8
     b = tm.pack_mma(q, bits)
-    assert b.shape == (2, 3 * 64 * wpt)
+    assert b.shape == (4, 3 * 64 * wpt)
     for r, tile, h, v, g, t in [(0, 0, 0, 0, 0, 0), (1, 2, 0, wpt // 4 - 1, 5, 3), (0, 1, 1, 0, 7, 2)]:
         block = b[r, tile * 64 * wpt:(tile + 1) * 64 * wpt].reshape(2, wpt // 4, 32, 4)
         row = 16 * r + 8 * h + g
