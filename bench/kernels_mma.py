@@ -56,9 +56,9 @@ def reference(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None) -> tor
 def _check_cases(quick: bool) -> list[tuple]:
     shapes = [(4096, 4096), (1000, 4096), (200, 11008), (136, 320)]
     families = [(4, 128, "float16"), (4, 128, "bfloat16"), (8, -1, "float16"), (4, 256, "float16")]
-    # warps, (tiles, row tiles, maxnreg)
-    configs = list(itertools.product((2, 4, 8), ((1, 1, None), (2, 1, 128), (4, 1, 168), (1, 2, None), (2, 4, 168),
-                                                 (1, 4, None))))
+    # warps, (tiles, row tiles, maxnreg, row groups, split-K)
+    configs = list(itertools.product((2, 4, 8), ((1, 1, None, 1, 1), (2, 1, 128, 2, 3), (4, 1, 168, 1, 2),
+                                                 (1, 2, None, 2, 1), (2, 4, 168, 1, 4), (1, 4, None, 2, 8))))
     cases, i = [], 0
     for bits, gs, dtype in families:
         for n, k in shapes:
@@ -72,7 +72,7 @@ def _check_cases(quick: bool) -> list[tuple]:
 
 def _check_case(case: tuple) -> dict:
     """One configuration against the fp32 reference (in a pool process: the cases compile in parallel)."""
-    bits, gs, dtype_name, n, k, m, (nw, (tiles, nrows, maxnreg)), has_bias, seed = case
+    bits, gs, dtype_name, n, k, m, (nw, (tiles, nrows, maxnreg, wr, split)), has_bias, seed = case
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(seed)
     mw = random_mw(k, n, bits, gs)
@@ -81,13 +81,14 @@ def _check_case(case: tuple) -> dict:
     out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
     error = ""
     try:
-        triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg, out=out)
+        triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg, warps_n=wr,
+                        split_k=split, out=out)
         torch.cuda.synchronize()
         err = rel_err(out, reference(x, mw, bias))
     except Exception as exc:  # report every failure, keep checking the rest
         err, error = float("inf"), f"{exc!r}"[:300]
     return dict(bits=bits, group_size=gs, dtype=dtype_name, n=n, k=k, m=m, warps=nw, tiles=tiles, rows=nrows,
-                maxnreg=maxnreg, bias=has_bias, rel_err=err, error=error)
+                maxnreg=maxnreg, warps_n=wr, split_k=split, bias=has_bias, rel_err=err, error=error)
 
 
 def check(quick: bool, workers: int = 12) -> list[dict]:
@@ -99,24 +100,31 @@ def check(quick: bool, workers: int = 12) -> list[dict]:
     for r in rows:
         flag = "ok" if r["rel_err"] <= 1e-2 else "FAIL"
         print(f"{flag} W{r['bits']} g{r['group_size']} {r['dtype']} N={r['n']} K={r['k']} M={r['m']} w{r['warps']} "
-              f"t{r['tiles']} rows{r['rows']} r{r['maxnreg']} bias={r['bias']}: {r['rel_err']:.2e} {r['error']}")
+              f"t{r['tiles']} rows{r['rows']} r{r['maxnreg']} wr{r['warps_n']} s{r['split_k']} bias={r['bias']}: "
+              f"{r['rel_err']:.2e} {r['error']}")
     return rows
 
 
-# (warps, tiles per step, row tiles per program, maxnreg) by column tiles of x (M ≤ 8, 16, 32, 64). Row
-# tiles 1: the configurations of run 27; 2 and 4: those that compile for sm_90a without spills in the
-# loop (ptxas, Triton 3.6, checked on the CPU before the run).
-CONFIGS = {
+# (warps, tiles per step, row tiles per warp, maxnreg, row groups, split-K) by column tiles of x (M ≤ 8,
+# 16, 32, 64). Row groups 1 and no split: the configurations of runs 27 and 34; then programs whose
+# warps form row groups (so that they read each x tile together, from L1) with split-K across programs
+# to keep the GPU full. Row tiles 4 only where they compile without spills (ptxas, Triton 3.6, on the
+# CPU before the run).
+_BASE = {
     1: [(4, 1, 1, None), (8, 1, 1, None), (4, 2, 1, None), (8, 2, 1, 128), (4, 1, 1, 128), (2, 1, 1, None),
-        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None), (4, 1, 2, 128), (8, 2, 2, 168), (4, 1, 4, None),
-        (8, 1, 4, None), (2, 1, 4, None)],
+        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None)],
     2: [(4, 1, 1, None), (8, 1, 1, None), (4, 2, 1, None), (8, 2, 1, 128), (2, 1, 1, None),
-        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None), (4, 2, 2, None), (4, 1, 4, None), (8, 1, 4, None),
-        (2, 1, 4, None)],
+        (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None), (4, 2, 2, None), (4, 1, 4, None), (2, 1, 4, None)],
     4: [(4, 1, 1, None), (8, 1, 1, None), (2, 1, 1, None), (4, 1, 1, 128),
         (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None)],
     8: [(4, 1, 1, None), (4, 2, 1, None), (2, 1, 1, None), (8, 1, 1, None),
         (4, 1, 2, None), (8, 1, 2, None), (2, 1, 2, None)],
+}
+CONFIGS = {
+    cols: [c + (1, 1) for c in base]
+    + [(nw, 1, rows, None, wr, split) for nw in (4, 8) for wr in sorted({2, nw}) for rows in (1, 2, 4)
+       for split in (1, 2, 4, 8) if rows < 4 or cols <= 2]
+    for cols, base in _BASE.items()
 }
 SWEEP = ((4, (1, 8, 16, 32, 64)), (8, (1, 16, 32, 64)))
 
@@ -132,16 +140,17 @@ def _compile_jobs(quick: bool) -> list[tuple]:
         for k in sorted({k for k, _ in SHAPES.values()}):
             for m in ms:
                 for cfg in CONFIGS[_cols(m)][: 2 if quick else None]:
-                    jobs.append((bits, k, m, cfg))
+                    if cfg[5] <= 2:  # split-K 2, 4 and 8 share one compiled kernel
+                        jobs.append((bits, k, m, cfg))
     return jobs
 
 
 def _compile_one(job: tuple) -> str:
-    bits, k, m, (nw, tiles, nrows, maxnreg) = job
+    bits, k, m, (nw, tiles, nrows, maxnreg, wr, split) = job
     try:
         mw = random_mw(k, 256, bits, 128 if bits == 4 else -1)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg)
+        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg, warps_n=wr, split_k=split)
         torch.cuda.synchronize()
         return ""
     except Exception as exc:  # the timed process reports it again
@@ -178,21 +187,23 @@ def sweep(quick: bool, dump: Path | None = None) -> list[dict]:
                 choice = dispatch.mma_choice(bits, m, n)
                 told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
                 best = None
-                for nw, tiles, nrows, maxnreg in CONFIGS[_cols(m)][: 2 if quick else None]:
+                for nw, tiles, nrows, maxnreg, wr, split in CONFIGS[_cols(m)][: 2 if quick else None]:
                     try:
                         us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows,
-                                                                     maxnreg=maxnreg) for mw in ring])
+                                                                     maxnreg=maxnreg, warps_n=wr, split_k=split)
+                                       for mw in ring])
                     except Exception as exc:
-                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} rows{nrows}: {exc!r}"[:300])
+                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} rows{nrows} wr{wr} s{split}: {exc!r}"[:300])
                         continue
                     tbps = first.nbytes / us / 1e6
-                    rows.append({**base, "warps": nw, "tiles": tiles, "rows": nrows, "maxnreg": maxnreg, "us": us,
-                                 "tbps": tbps, "fp16_us": t16, "now_us": told, "now": choice.method})
+                    rows.append({**base, "warps": nw, "tiles": tiles, "rows": nrows, "maxnreg": maxnreg, "warps_n": wr,
+                                 "split_k": split, "us": us, "tbps": tbps, "fp16_us": t16, "now_us": told,
+                                 "now": choice.method})
                     if best is None or us < best[0]:
-                        best = (us, nw, tiles, tbps, maxnreg, nrows)
+                        best = (us, nw, tiles, tbps, maxnreg, nrows, wr, split)
                 print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | now {told:6.1f} ({choice.method}) | best "
-                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} rows{best[5]} r{best[4]} {best[3]:.2f} TB/s "
-                      f"-> x{t16 / best[0]:.2f} fp16",
+                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} rows{best[5]} r{best[4]} wr{best[6]} s{best[7]} "
+                      f"{best[3]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
                       flush=True)
             del ring, fp16
             torch.cuda.empty_cache()

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from quantkit.kernels.triton_gemm import _dequant_values, _zero_bias_scale
 from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, unpack_block_planar
-from quantkit.kernels.triton_splitk import store_points
+from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
 
 TILE_K = 128
 ROW_TILES_MAX = 4  # most 16-row tiles one GEMV program takes (`gemv(rows=…)`); qweight's row tiles are a multiple
@@ -325,68 +325,84 @@ def _tile_ops(tile, hi, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size:
 
 @triton.jit
 def mma_gemv_kernel(
-    x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr,
-    M, N, K, KW, G, stride_xm, stride_om, group_size: tl.constexpr,
+    x_addr, w_addr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KW, G, RT, SPLIT_K, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
-    TILES: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr = 1,
+    TILES: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr = 1, WR: tl.constexpr = 1,
+    SPLIT: tl.constexpr = False,
 ):
-    """One program per 16·ROWS output rows; warp w takes K tiles w, w + NW, …, TILES of them per asm
-    call, for all ROWS row tiles; the warps' sums meet at the end."""
+    """Program (i, j) takes 16·ROWS·WR output rows and the j-th of SPLIT_K slices of the K tiles. Its NW
+    warps form WR groups along the rows (ROWS row tiles each) by NW / WR along K: warp w = WR·a + b takes
+    row tiles b·ROWS … of the program and K tiles a, a + NW / WR, … of the slice, TILES of them per asm
+    call. The warps of a row group sum at the end, and with SPLIT the slices through the split-K
+    workspace (triton_splitk). The warps of a program read the same x tiles at about the same time, so
+    with WR > 1 their x loads meet in L1."""
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     T: tl.constexpr = 32 * NW
+    WK: tl.constexpr = NW // WR
     WPT: tl.constexpr = 4 if BITS == 4 else 8
     e = tl.arange(0, T)
     warp = e // 32
     lane = e % 32
     g = lane // 4
     t = lane % 4
-    row = pid_n * 16 * ROWS + g
+    first = pid_n * WR * ROWS + (warp % WR) * ROWS  # the warp's first row tile
+    row = first * 16 + g
     # The program's blocks (module docstring): thread (g, t) reads bytes 16·lane of each 512-byte chunk;
-    # row tile r's blocks start r·KW words on. Rows past N are zero padding; x rows past M are clamped
-    # (column tile 0) or not loaded.
-    w_row = w_addr + pid_n.to(tl.int64) * ROWS * KW * 4 + lane * 16
+    # row tile r's blocks start r·KW words on. Rows past N are zero padding (a warp wholly past the
+    # padded row tiles RT reads the last ones instead; its rows are past N, so it stores nothing); x
+    # rows past M are clamped (column tile 0) or not loaded.
+    w_row = w_addr + tl.minimum(first, RT - ROWS).to(tl.int64) * KW * 4 + lane * 16
     TILE_BYTES: tl.constexpr = WPT * 256
     x_row = x_addr + tl.minimum(g, M - 1).to(tl.int64) * stride_xm * 2 + t * 16
     s_row = s_ptr + row * G
     z_row = z_ptr + row * G
     n_tiles = tl.cdiv(K, 128)
+    per = tl.cdiv(n_tiles, SPLIT_K)
+    lo = pid_k * per
+    hi = tl.minimum(lo + per, n_tiles)
     zero = tl.zeros([T], dtype=tl.float32)
     acc = (zero,) * (4 * COLS * ROWS)
     rows8 = stride_xm.to(tl.int64) * 16 + e * 0  # bytes of 8 x rows, per thread
     tile_rows = KW.to(tl.int64) * 4 + e * 0  # bytes between two row tiles' blocks
     m_left = M - g
-    tile = warp
-    for _ in range(0, tl.cdiv(n_tiles, NW * TILES)):
-        ops = _tile_ops(tile, n_tiles, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size, TILE_BYTES, ROWS)
+    tile = lo + warp // WR
+    for _ in range(0, tl.cdiv(per, WK * TILES)):
+        ops = _tile_ops(tile, hi, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size, TILE_BYTES, ROWS)
         for u in tl.static_range(1, TILES):
-            ops = ops + _tile_ops(tile + u * NW, n_tiles, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size,
+            ops = ops + _tile_ops(tile + u * WK, hi, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size,
                                   TILE_BYTES, ROWS)
         acc = tl.inline_asm_elementwise(ASM, CONS, ops + (tile_rows, rows8, m_left) + acc,
                                         dtype=(tl.float32,) * (4 * COLS * ROWS), is_pure=True, pack=1)
-        tile += NW * TILES
-    # Lane (g, t) holds rows g and g + 8 of each row tile for x rows 2t and 2t + 1 of each column tile.
-    lane32 = tl.arange(0, 32)
-    m0 = (lane32 % 4) * 2
-    offs_m = _pairs(m0, m0 + 1, m0, m0 + 1)
+        tile += WK * TILES
+    # Lane (g, t) of row group b holds rows g and g + 8 of each of its row tiles for x rows 2t and 2t + 1
+    # of each column tile; after the sum over K groups, element j of a [WR·32] vector is lane j % 32 of
+    # row group j // 32.
+    j = tl.arange(0, WR * 32)
+    m0 = (j % 4) * 2
+    offs_m = _pairs(m0, m0 + 1, m0, m0 + 1, WR * 32)
     for r in tl.static_range(ROWS):
-        n0 = (pid_n * ROWS + r) * 16 + lane32 // 4
-        offs_n = _pairs(n0, n0, n0 + 8, n0 + 8)
+        n0 = (pid_n * WR * ROWS + (j // 32) * ROWS + r) * 16 + (j % 32) // 4
+        offs_n = _pairs(n0, n0, n0 + 8, n0 + 8, WR * 32)
         for nt in tl.static_range(COLS):
-            vals = _pairs(_warp_sum(acc[4 * (COLS * r + nt)], NW), _warp_sum(acc[4 * (COLS * r + nt) + 1], NW),
-                          _warp_sum(acc[4 * (COLS * r + nt) + 2], NW), _warp_sum(acc[4 * (COLS * r + nt) + 3], NW))
-            store_points(vals, offs_m + 8 * nt, offs_n, M, N, out_ptr, stride_om, bias_ptr, out_ptr, out_ptr,
-                         pid_n, 0, 1, False, HAS_BIAS)
+            vals = _pairs(_warp_sum(acc[4 * (COLS * r + nt)], WK, WR), _warp_sum(acc[4 * (COLS * r + nt) + 1], WK, WR),
+                          _warp_sum(acc[4 * (COLS * r + nt) + 2], WK, WR),
+                          _warp_sum(acc[4 * (COLS * r + nt) + 3], WK, WR), WR * 32)
+            store_points(vals, offs_m + 8 * nt, offs_n, M, N, out_ptr, stride_om, bias_ptr, ws_ptr, cnt_ptr,
+                         (pid_n * ROWS + r) * COLS + nt, pid_k, SPLIT_K, SPLIT, HAS_BIAS)
 
 
 @triton.jit
-def _warp_sum(a, NW: tl.constexpr):
-    return tl.sum(tl.reshape(a, [NW, 32]), axis=0)
+def _warp_sum(a, WK: tl.constexpr, WR: tl.constexpr):
+    """[NW·32] per thread → [WR·32]: the sum over the WK warps along K of each row group's lanes."""
+    return tl.sum(tl.reshape(a, [WK, WR * 32]), axis=0)
 
 
 @triton.jit
-def _pairs(p, q, r, s):
-    """Four [32] vectors as one [128] vector."""
-    return tl.reshape(tl.join(tl.join(p, q), tl.join(r, s)), [128])
+def _pairs(p, q, r, s, L: tl.constexpr):
+    """Four [L] vectors as one [4·L] vector."""
+    return tl.reshape(tl.join(tl.join(p, q), tl.join(r, s)), [4 * L])
 
 
 def gemv(
@@ -397,31 +413,41 @@ def gemv(
     num_warps: int = 4,
     tiles: int = 1,
     rows: int = 1,
+    warps_n: int = 1,
+    split_k: int = 1,
     maxnreg: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 64 on the tensor cores; x fp16 (or bf16 with W4).
 
-    A program takes 16·`rows` output rows, whose `num_warps` warps split K between them, `tiles`
-    K-tiles per asm call; `maxnreg` is a register budget for ptxas (with several tiles it keeps all
-    their loads in flight)."""
+    A program takes 16·`rows`·`warps_n` output rows: its `num_warps` warps form `warps_n` groups of
+    `rows` row tiles, the warps of a group split K between them, `tiles` K-tiles per asm call;
+    `split_k` programs share each row range (K cut into that many slices, summed through a workspace).
+    `maxnreg` is a register budget for ptxas (with several tiles it keeps all their loads in flight)."""
     m, k = x.shape
     if m > 64:
         raise ValueError(f"the mma GEMV takes at most 64 rows of x, got {m}")
     if rows not in (1, 2, 4) or mw.qweight.shape[0] % rows:
-        raise ValueError(f"rows (16-row tiles per program) must be 1, 2 or {ROW_TILES_MAX}, got {rows}")
+        raise ValueError(f"rows (16-row tiles per warp) must be 1, 2 or {ROW_TILES_MAX}, got {rows}")
+    if num_warps % warps_n:
+        raise ValueError(f"warps_n ({warps_n}) must divide num_warps ({num_warps})")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
     n = mw.out_features
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cols = 1 << max(0, (triton.cdiv(m, 8) - 1).bit_length())  # column tiles of 8 x rows: 1, 2, 4 or 8
+    split_k = clamp_split(max(1, min(split_k, triton.cdiv(k, TILE_K))), m, n)
+    programs = triton.cdiv(n, 16 * rows * warps_n)
+    ws = workspace(split_k, m, n, x.device)
+    cnt = counters(x.device, programs * rows * cols)
     asm, cons = asm_for(mw.bits, cols, x.dtype == torch.bfloat16, k % TILE_K == 0, tiles, rows)
-    mma_gemv_kernel[(triton.cdiv(n, 16 * rows),)](
-        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out,
-        m, n, k, mw.qweight.shape[1], mw.scales.shape[1], x.stride(0), out.stride(0),
+    mma_gemv_kernel[(programs, split_k)](
+        x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws, cnt,
+        m, n, k, mw.qweight.shape[1], mw.scales.shape[1], mw.qweight.shape[0], split_k, x.stride(0), out.stride(0),
         group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
-        HAS_BIAS=bias is not None, ROWS=rows, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        HAS_BIAS=bias is not None, ROWS=rows, WR=warps_n, SPLIT=split_k > 1, num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
 

@@ -55,8 +55,8 @@ SCRIPT = textwrap.dedent("""
 
     from quantkit.kernels import triton_mma
     MMA = {"x_addr": "i64", "w_addr": "i64", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*fp16",
-           "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "KW": "i32", "G": "i32", "stride_xm": "i32",
-           "stride_om": "i32"}
+           "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32",
+           "G": "i32", "RT": "i32", "SPLIT_K": "i32", "stride_xm": "i32", "stride_om": "i32"}
     seen = set()
     for bits in (4, 8):
         for m in (1, 16, 32, 64):
@@ -72,7 +72,8 @@ SCRIPT = textwrap.dedent("""
                     rows = p.get("rows", 1)
                     asm, cons = triton_mma.asm_for(bits, cols, bf16, even_k, p["tiles"], rows)
                     ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=cols, NW=p["num_warps"],
-                              TILES=p["tiles"], HAS_BIAS=True, ROWS=rows)
+                              TILES=p["tiles"], HAS_BIAS=True, ROWS=rows, WR=p.get("warps_n", 1),
+                              SPLIT=p.get("split_k", 1) > 1)
                     opts = {"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}
                     out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=p["num_warps"], **opts)
                     assert out.asm.get("cubin"), (bits, m, p)
