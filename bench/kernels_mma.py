@@ -74,6 +74,7 @@ def _check_case(case: tuple) -> dict:
     """One configuration against the fp32 reference (in a pool process: the cases compile in parallel)."""
     bits, gs, dtype_name, n, k, m, (nw, (tiles, nrows, maxnreg, wr, split)), has_bias, seed = case
     dtype = getattr(torch, dtype_name)
+    pdl = seed % 4 == 1
     torch.manual_seed(seed)
     mw = random_mw(k, n, bits, gs)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -82,16 +83,16 @@ def _check_case(case: tuple) -> dict:
     error = ""
     try:
         triton_mma.gemv(x, mw, bias, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg, warps_n=wr,
-                        split_k=split, out=out)
+                        split_k=split, pdl=pdl, prefetch=seed % 3, out=out)
         torch.cuda.synchronize()
         err = rel_err(out, reference(x, mw, bias))
     except Exception as exc:  # report every failure, keep checking the rest
         err, error = float("inf"), f"{exc!r}"[:300]
     return dict(bits=bits, group_size=gs, dtype=dtype_name, n=n, k=k, m=m, warps=nw, tiles=tiles, rows=nrows,
-                maxnreg=maxnreg, warps_n=wr, split_k=split, bias=has_bias, rel_err=err, error=error)
+                maxnreg=maxnreg, warps_n=wr, split_k=split, pdl=pdl, bias=has_bias, rel_err=err, error=error)
 
 
-def check(quick: bool, workers: int = 12) -> list[dict]:
+def check(quick: bool, workers: int = 15) -> list[dict]:
     """Every configuration family (module docstring) against the reference, NaN-poisoned outputs."""
     import multiprocessing as mp
 
@@ -100,7 +101,8 @@ def check(quick: bool, workers: int = 12) -> list[dict]:
     for r in rows:
         flag = "ok" if r["rel_err"] <= 1e-2 else "FAIL"
         print(f"{flag} W{r['bits']} g{r['group_size']} {r['dtype']} N={r['n']} K={r['k']} M={r['m']} w{r['warps']} "
-              f"t{r['tiles']} rows{r['rows']} r{r['maxnreg']} wr{r['warps_n']} s{r['split_k']} bias={r['bias']}: "
+              f"t{r['tiles']} rows{r['rows']} r{r['maxnreg']} wr{r['warps_n']} s{r['split_k']} pdl={r['pdl']} "
+              f"bias={r['bias']}: "
               f"{r['rel_err']:.2e} {r['error']}")
     return rows
 
@@ -133,36 +135,51 @@ def _cols(m: int) -> int:
     return 1 << max(0, (triton.cdiv(m, 8) - 1).bit_length())
 
 
-def _compile_jobs(quick: bool) -> list[tuple]:
-    """One small launch per (bits, K class, M, configuration): same specialization as the timed calls."""
+def _sweep_kwargs(m: int, quick: bool) -> list[dict]:
+    return [dict(num_warps=nw, tiles=t, rows=r, maxnreg=mx, warps_n=wr, split_k=split)
+            for nw, t, r, mx, wr, split in CONFIGS[_cols(m)][: 2 if quick else None]]
+
+
+def _probe_variants(bits: int, m: int, n: int) -> list[tuple[str, dict]]:
+    p = dict(dispatch.mma_choice(bits, m, n).params)
+    variants = [("choice", p)] + [(name, {**p, **kw}) for name, kw in PROBE]
+    return variants + [(f"w{nw}t{t}r{r}m{mx}", dict(num_warps=nw, tiles=t, rows=r, maxnreg=mx))
+                       for nw, t, r, mx in PROBE_EXTRA.get(_cols(m), [])]
+
+
+def _compile_jobs(quick: bool, probing: bool) -> list[tuple]:
+    """One small launch per (bits, K, M, configuration): the same specialization as the timed calls
+    (split-K 2, 4 and 8 share one kernel)."""
     jobs = []
     for bits, ms in SWEEP:
-        for k in sorted({k for k, _ in SHAPES.values()}):
+        for k, n in sorted(set(SHAPES.values())):
             for m in ms:
-                for cfg in CONFIGS[_cols(m)][: 2 if quick else None]:
-                    if cfg[5] <= 2:  # split-K 2, 4 and 8 share one compiled kernel
-                        jobs.append((bits, k, m, cfg))
-    return jobs
+                if probing:
+                    jobs += [(bits, k, m, kw) for _, kw in _probe_variants(bits, m, n)]
+                else:
+                    jobs += [(bits, k, m, kw) for kw in _sweep_kwargs(m, quick) if kw["split_k"] <= 2]
+    return list({repr(j): j for j in jobs}.values())
 
 
 def _compile_one(job: tuple) -> str:
-    bits, k, m, (nw, tiles, nrows, maxnreg, wr, split) = job
+    bits, k, m, kw = job
     try:
         mw = random_mw(k, 256, bits, 128 if bits == 4 else -1)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows, maxnreg=maxnreg, warps_n=wr, split_k=split)
+        triton_mma.gemv(x, mw, **kw)
         torch.cuda.synchronize()
         return ""
     except Exception as exc:  # the timed process reports it again
         return f"{job}: {exc!r}"[:200]
 
 
-def precompile(quick: bool, workers: int = 12) -> None:
-    """Compile every configuration the sweep times in parallel processes (fills Triton's disk cache)."""
+def precompile(quick: bool, probing: bool = False, workers: int = 15) -> None:
+    """Compile every configuration the sweep (or probe) times in parallel processes (fills Triton's
+    disk cache)."""
     import multiprocessing as mp
 
     t0 = time.time()
-    jobs = _compile_jobs(quick)
+    jobs = _compile_jobs(quick, probing)
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]
     print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f} s, {len(errors)} failed", flush=True)
@@ -212,6 +229,45 @@ def sweep(quick: bool, dump: Path | None = None) -> list[dict]:
     return rows
 
 
+# Variants timed by --probe against the dispatch's choice for the same shape and M (gemv keyword
+# arguments that replace the choice's).
+PROBE = [("pdl", dict(pdl=True)), ("pdl+pf1", dict(pdl=True, prefetch=1)), ("pdl+pf2", dict(pdl=True, prefetch=2)),
+         ("pdl+pf4", dict(pdl=True, prefetch=4)), ("pdl+pf8", dict(pdl=True, prefetch=8))]
+PROBE_EXTRA = {  # configurations tried besides, by column tiles: (warps, tiles, rows, maxnreg)
+    2: [(4, 1, 1, 72), (4, 1, 1, 96), (4, 1, 2, 96), (4, 1, 2, 112), (2, 1, 1, 72)],
+    4: [(4, 1, 2, 168), (2, 1, 2, 168), (4, 1, 2, 128), (8, 1, 2, 168), (4, 1, 1, 96)],
+    8: [(2, 1, 2, 255), (4, 1, 2, 240), (2, 1, 1, 168), (4, 1, 1, 168)],
+}
+
+
+def probe() -> list[dict]:
+    """PROBE variants of the dispatch's choice and PROBE_EXTRA configurations, per shape and M."""
+    rows = []
+    for bits, ms in SWEEP:
+        gs = 128 if bits == 4 else -1
+        for shape, (k, n) in SHAPES.items():
+            first = random_mw(k, n, bits, gs)
+            ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
+            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
+                line = []
+                for name, kw in _probe_variants(bits, m, n):
+                    try:
+                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, **kw) for mw in ring])
+                    except Exception as exc:
+                        print(f"FAILED W{bits} {shape} M={m} {name}: {exc!r}"[:300])
+                        continue
+                    rows.append({"shape": shape, "bits": bits, "m": m, "variant": name, "params": kw, "us": us,
+                                 "fp16_us": t16})
+                    line.append(f"{name} {us:.1f}")
+                print(f"W{bits} {shape:7} M={m:2} fp16 {t16:5.1f}: " + " | ".join(line), flush=True)
+            del ring, fp16
+            torch.cuda.empty_cache()
+    return rows
+
+
 @triton.jit
 def _empty_kernel(out_ptr):
     if tl.program_id(0) == 0:
@@ -246,6 +302,7 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true", help="timing only")
     ap.add_argument("--skip-sweep", action="store_true", help="checks only")
     ap.add_argument("--floor", action="store_true", help="only the time-against-K series (launch floor)")
+    ap.add_argument("--probe", action="store_true", help="only the PROBE variants of the dispatch's choices")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -253,6 +310,11 @@ def main() -> None:
     if args.floor:
         res["floor"] = floor()
         (args.out / "floor.json").write_text(json.dumps(res, indent=1))
+        return
+    if args.probe:
+        precompile(args.quick, probing=True)
+        res["probe"] = probe()
+        (args.out / "probe.json").write_text(json.dumps(res, indent=1))
         return
     if not args.skip_check:
         res["check"] = check(args.quick)

@@ -329,14 +329,19 @@ def mma_gemv_kernel(
     M, N, K, KW, G, RT, SPLIT_K, stride_xm, stride_om, group_size: tl.constexpr,
     ASM: tl.constexpr, CONS: tl.constexpr, BITS: tl.constexpr, COLS: tl.constexpr, NW: tl.constexpr,
     TILES: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr = 1, WR: tl.constexpr = 1,
-    SPLIT: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """Program (i, j) takes 16·ROWS·WR output rows and the j-th of SPLIT_K slices of the K tiles. Its NW
     warps form WR groups along the rows (ROWS row tiles each) by NW / WR along K: warp w = WR·a + b takes
     row tiles b·ROWS … of the program and K tiles a, a + NW / WR, … of the slice, TILES of them per asm
     call. The warps of a row group sum at the end, and with SPLIT the slices through the split-K
     workspace (triton_splitk). The warps of a program read the same x tiles at about the same time, so
-    with WR > 1 their x loads meet in L1."""
+    with WR > 1 their x loads meet in L1.
+
+    With PDL (launched with programmatic dependent launch) the program lets the next kernel launch at
+    once, asks L2 for the words of its warps' first PREFETCH K-tiles, and only then waits for the
+    previous kernel to finish: weights never depend on it, x and the output may. So a kernel's
+    start-up overlaps the previous kernel's tail."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     T: tl.constexpr = 32 * NW
@@ -368,6 +373,14 @@ def mma_gemv_kernel(
     tile_rows = KW.to(tl.int64) * 4 + e * 0  # bytes between two row tiles' blocks
     m_left = M - g
     tile = lo + warp // WR
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        for u in tl.static_range(PREFETCH):
+            tc = tl.minimum(tile + u * WK, hi - 1).to(tl.int64)
+            for r in tl.static_range(ROWS):
+                for half in tl.static_range(WPT // 2):  # 512-byte runs: rows g, g + 8 (W8: two chunks each)
+                    _prefetch_l2(w_row + tc * TILE_BYTES + r * tile_rows + half * 512)
+        tl.extra.cuda.gdc_wait()
     for _ in range(0, tl.cdiv(per, WK * TILES)):
         ops = _tile_ops(tile, hi, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size, TILE_BYTES, ROWS)
         for u in tl.static_range(1, TILES):
@@ -394,6 +407,13 @@ def mma_gemv_kernel(
 
 
 @triton.jit
+def _prefetch_l2(addr):
+    """Ask L2 for the line holding each thread's address (no register result)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _warp_sum(a, WK: tl.constexpr, WR: tl.constexpr):
     """[NW·32] per thread → [WR·32]: the sum over the WK warps along K of each row group's lanes."""
     return tl.sum(tl.reshape(a, [WK, WR * 32]), axis=0)
@@ -416,6 +436,8 @@ def gemv(
     warps_n: int = 1,
     split_k: int = 1,
     maxnreg: int | None = None,
+    pdl: bool = False,
+    prefetch: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] · Wᵀ (+ bias) for M ≤ 64 on the tensor cores; x fp16 (or bf16 with W4).
@@ -423,7 +445,9 @@ def gemv(
     A program takes 16·`rows`·`warps_n` output rows: its `num_warps` warps form `warps_n` groups of
     `rows` row tiles, the warps of a group split K between them, `tiles` K-tiles per asm call;
     `split_k` programs share each row range (K cut into that many slices, summed through a workspace).
-    `maxnreg` is a register budget for ptxas (with several tiles it keeps all their loads in flight)."""
+    `maxnreg` is a register budget for ptxas (with several tiles it keeps all their loads in flight).
+    `pdl` launches it with programmatic dependent launch (Hopper and later), `prefetch` K-tiles per warp
+    asked of L2 before it waits for the previous kernel (see mma_gemv_kernel)."""
     m, k = x.shape
     if m > 64:
         raise ValueError(f"the mma GEMV takes at most 64 rows of x, got {m}")
@@ -446,8 +470,8 @@ def gemv(
         x.data_ptr(), mw.qweight.data_ptr(), mw.scales, mw.zeros, bias if bias is not None else out, out, ws, cnt,
         m, n, k, mw.qweight.shape[1], mw.scales.shape[1], mw.qweight.shape[0], split_k, x.stride(0), out.stride(0),
         group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps, TILES=tiles,
-        HAS_BIAS=bias is not None, ROWS=rows, WR=warps_n, SPLIT=split_k > 1, num_warps=num_warps,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        HAS_BIAS=bias is not None, ROWS=rows, WR=warps_n, SPLIT=split_k > 1, PDL=pdl, PREFETCH=prefetch if pdl else 0,
+        num_warps=num_warps, launch_pdl=pdl, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
 
