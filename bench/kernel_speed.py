@@ -70,21 +70,53 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             choice = dispatch.choice_for(kws[0], m, x.device)
-            row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m, "kernel": choice.method + "".join(f" {k[0]}{v}" for k, v in choice.params.items() if k in ("num_warps", "tiles")),
+            params = "".join(f" {a}{v}" for a, v in (("w", choice.params.get("num_warps")),
+                                                      ("t", choice.params.get("tiles")), ("r", choice.params.get("rows")))
+                             if v)
+            row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m,
+                   "kernel": choice.method + params + (" pdl" if choice.params.get("pdl") else ""),
                    "ours": measure(lambda kw: dispatch.run(x, kw, None, choice), kws, kws[0].nbytes, m, k, n),
                    "fp16": measure(lambda w: F.linear(x, w), fp16, n * k * 2, m, k, n)}
             if bits == 4 and i4 is not None:
                 xb = x.bfloat16()
                 row["int4"] = measure(lambda p: torch._weight_int4pack_mm(xb, p[0], 128, p[1]), i4, i4_bytes, m, k, n)
+            if choice.params.get("pdl"):  # the same kernel launched without programmatic dependent launch
+                plain = dispatch.Choice(choice.method, {**choice.params, "pdl": False}, choice.programs)
+                row["ours_no_pdl"] = measure(lambda kw: dispatch.run(x, kw, None, plain), kws, kws[0].nbytes, m, k, n)
             row["speedup"] = row["fp16"]["us"] / row["ours"]["us"]
             row["copy_pct"] = 100 * row["ours"]["tbps"] / copy_tbps
             results.append(row)
             i4s = f"{row['int4']['us']:7.1f}" if "int4" in row else "    n/a"
-            print(f"W{bits} {shape:7} M={m:4} ours {row['ours']['us']:7.1f}us ({row['ours']['plain_us']:6.1f} plain) "
+            npd = f" (no PDL {row['ours_no_pdl']['us']:.1f})" if "ours_no_pdl" in row else ""
+            print(f"W{bits} {shape:7} M={m:4} ours {row['ours']['us']:7.1f}us{npd} ({row['ours']['plain_us']:6.1f} plain) "
                   f"{row['ours']['tbps']:.2f}TB/s {row['copy_pct']:4.0f}% | fp16 {row['fp16']['us']:7.1f} | int4 {i4s} "
                   f"| x{row['speedup']:.2f} {choice.method}", flush=True)
         del kws
         torch.cuda.empty_cache()
+
+
+def precompile(ms, w8_ms, workers: int = 15) -> None:
+    """Compile the mma GEMVs the dispatch picks here (with and without PDL) in parallel processes."""
+    import multiprocessing as mp
+
+    from bench.kernels_mma import _compile_one
+
+    if BLOCK_PLANAR:
+        return
+    pdl = dispatch._has_pdl(torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = {}
+    for k, n in SHAPES.values():
+        for bits, bm in ((4, ms), (8, w8_ms)):
+            for m in bm:
+                c = dispatch.mma_choice(bits, m, n, sms, pdl)
+                if c.method == "mma":
+                    for p in (c.params, {**c.params, "pdl": False}):
+                        jobs[repr((bits, k, m, p))] = (bits, k, m, p)
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.map(_compile_one, list(jobs.values()), chunksize=1) if e]
+    print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f} s, {len(errors)} failed: {errors[:3]}", flush=True)
 
 
 def markdown(results: list, copy_tbps: float) -> str:
@@ -93,6 +125,7 @@ def markdown(results: list, copy_tbps: float) -> str:
              "| W | shape (K×N) | M | kernel | ours µs (plain) | TB/s (% copy) | fp16 µs (plain) | TB/s (% copy) "
              "| torch int4 µs (plain) | TB/s (% copy) | ours × fp16 | int4 × fp16 |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines[2] = lines[2].replace("| ours µs (plain) |", "| ours µs (plain) [no PDL] |")
 
     def cells(t: dict | None) -> str:
         if t is None:
@@ -102,7 +135,11 @@ def markdown(results: list, copy_tbps: float) -> str:
     for r in results:
         f, i4 = r["fp16"], r.get("int4")
         i4_x = f"{f['us'] / i4['us']:.2f}" if i4 else "–"
-        lines.append(f"| {r['bits']} | {r['shape']} {r['K']}×{r['N']} | {r['m']} | {r['kernel']} | {cells(r['ours'])} "
+        ours = cells(r["ours"])
+        if "ours_no_pdl" in r:
+            us, rest = ours.split(" | ")
+            ours = f"{us} [{r['ours_no_pdl']['us']:.1f}] | {rest}"
+        lines.append(f"| {r['bits']} | {r['shape']} {r['K']}×{r['N']} | {r['m']} | {r['kernel']} | {ours} "
                      f"| {cells(f)} | {cells(i4)} | {r['speedup']:.2f} | {i4_x} |")
     return "\n".join(lines)
 
@@ -159,6 +196,7 @@ def main() -> None:
         (out / "table.json").write_text(json.dumps(table, indent=1))
         dispatch.use_table(table)
         print(f"tuned in {time.time() - t0:.0f} s", flush=True)
+    precompile(ms, w8_ms)
     results: list = []
     for shape in SHAPES:
         bench_shape(shape, copy_tbps, results, ms, w8_ms)

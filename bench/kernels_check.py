@@ -72,6 +72,7 @@ def mma_variants(m: int):
                                      (4, 1, 2, None), (8, 1, 4, None), (2, 2, 2, 168)):
             out.append((f"mma-w{nw}t{tiles}r{rows}", lambda x, mw, y, nw=nw, tiles=tiles, rows=rows, reg=reg:
                         triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=rows, maxnreg=reg, out=y)))
+        out.append(("mma-w4t1-pdl", lambda x, mw, y: triton_mma.gemv(x, mw, num_warps=4, pdl=True, prefetch=1, out=y)))
     return out
 
 

@@ -94,32 +94,44 @@ def choose(bits: int, m: int) -> Choice:
     return TABLE[bits][-1][1]
 
 
-def mma_choice(bits: int, m: int, n: int, sms: int = 132) -> Choice:
-    """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs.
+def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True) -> Choice:
+    """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs (`pdl`: the GPU
+    has programmatic dependent launch, sm_90 and later).
 
-    Measured on the H200 (run 27 of bench/KERNELS_NOTES.md, `bench/kernels_mma.py`, four Llama-2-7B
-    shapes, M ∈ {1, 8, 16, 32, 64}): the mma GEMV up to M = 64, set by the width of the layer in 16-row
-    tiles and by the column tiles (8 rows of x each): narrow layers (o, down: 256 row tiles) want 8
-    warps up to M = 32; layers with ≤ 6 row tiles per SM (qkv) 4 warps; wider ones (gate_up) fewer
-    warps per program. Each choice is within 2.5 % of the best configuration the sweep timed for that
-    shape and M. Above M = 64 dequantize + cuBLAS (at M = 64 the GEMV is
-    0.57–0.76× fp16 and dequantize + cuBLAS 0.41–0.51×).
+    Measured on the H200 (runs 34–36 of bench/KERNELS_NOTES.md, `bench/kernels_mma.py` sweep and
+    probe, four Llama-2-7B shapes, M ∈ {1, 8, 16, 32, 64}): the mma GEMV up to M = 64, set by the
+    width of the layer in 16-row tiles and by the column tiles (8 rows of x each). Narrow layers (o,
+    down: 256 row tiles) want 8 warps per program splitting K; layers with ≤ 6 row tiles per SM (qkv)
+    4 warps; wider ones (gate_up) 2. From M = 32, wide and mid layers take 2 row tiles per warp (x
+    shared between them) under a 168-register budget (12 warps per SM instead of 8). Programmatic
+    dependent launch (prefetch of one K-tile per warp before the wait) wherever it measured faster:
+    2–10 % at M ≤ 16 except for the 2-warp programs of gate_up, which it slowed by 12 %. Each choice
+    is the fastest configuration timed for its shape and M, or within 3 % of it. Above M = 64
+    dequantize + cuBLAS.
     """
     if m > 64:
         return _CUBLAS
     rows = triton.cdiv(n, 16)
 
-    def mma(num_warps: int, tiles: int, maxnreg: int | None = None) -> Choice:
-        return Choice("mma", dict(num_warps=num_warps, tiles=tiles, maxnreg=maxnreg))
+    def mma(num_warps: int, tiles: int = 1, maxnreg: int | None = None, row_tiles: int = 1,
+            early: bool = False) -> Choice:
+        p = dict(num_warps=num_warps, tiles=tiles, maxnreg=maxnreg)
+        if row_tiles > 1:
+            p["rows"] = row_tiles
+        if early and pdl:
+            p.update(pdl=True, prefetch=1)
+        return Choice("mma", p)
 
     narrow, mid = rows <= 2 * sms, rows <= 6 * sms
     if m <= 8:
-        return mma(8, 2, 128) if narrow else mma(4, 1, 128) if mid or bits == 8 else mma(2, 1)
+        if narrow:
+            return mma(8, 2, 128, early=True)
+        return mma(4, 1, 128, early=True) if mid or bits == 8 else mma(2)
     if m <= 16:
-        return mma(8, 2, 128) if narrow else mma(4, 2) if mid or bits == 4 else mma(2, 1)
+        return mma(8, 2, 128, early=True) if narrow else mma(4, early=True) if mid else mma(2)
     if m <= 32:
-        return mma(8, 1) if narrow else mma(2, 1) if mid else mma(4, 1, 128)
-    return mma(4, 2) if mid else mma(2, 1)
+        return mma(8, early=True) if narrow else mma(4, 1, 168, 2) if mid else mma(2, 1, 168, 2)
+    return mma(4, 2, early=True) if narrow else mma(2, 1, None, 2) if mid else mma(4, 1, None, 2)
 
 
 def _interpreted() -> bool:
@@ -130,6 +142,11 @@ def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the Triton interpreter on the CPU: keep some split-K in play so CI exercises it
+
+
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90 and later."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def split_k_for(tiles: int, k_steps: int, device: torch.device, programs_per_sm: float) -> int:
@@ -205,7 +222,7 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
 def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device) -> Choice:
     """The kernel for these weights and M rows of x: `mma_choice` for the mma layout, else the table."""
     if isinstance(kw, MmaWeights):
-        return mma_choice(kw.bits, m, kw.out_features, _sm_count(device))
+        return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device))
     return choose(kw.bits, m)
 
 

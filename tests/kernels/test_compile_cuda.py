@@ -58,8 +58,9 @@ SCRIPT = textwrap.dedent("""
            "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32",
            "G": "i32", "RT": "i32", "SPLIT_K": "i32", "stride_xm": "i32", "stride_om": "i32"}
     seen = set()
+    pdl_seen = False
     for bits in (4, 8):
-        for m in (1, 16, 32, 64):
+        for m in (1, 8, 16, 32, 64):
             cols = -(-m // 8)
             for n in (4096, 12288, 22016):
                 c = dispatch.mma_choice(bits, m, n)
@@ -73,16 +74,19 @@ SCRIPT = textwrap.dedent("""
                     asm, cons = triton_mma.asm_for(bits, cols, bf16, even_k, p["tiles"], rows)
                     ce = dict(group_size=128, ASM=asm, CONS=cons, BITS=bits, COLS=cols, NW=p["num_warps"],
                               TILES=p["tiles"], HAS_BIAS=True, ROWS=rows, WR=p.get("warps_n", 1),
-                              SPLIT=p.get("split_k", 1) > 1)
+                              SPLIT=p.get("split_k", 1) > 1, PDL=p.get("pdl", False), PREFETCH=p.get("prefetch", 0))
                     opts = {"maxnreg": p["maxnreg"]} if p.get("maxnreg") else {}
                     out = build(triton_mma.mma_gemv_kernel, MMA, ce, num_warps=p["num_warps"], **opts)
                     assert out.asm.get("cubin"), (bits, m, p)
                     assert out.asm["ptx"].count("mma.sync") == 8 * cols * p["tiles"] * rows
+                    assert out.asm["ptx"].count("griddepcontrol.wait") == int(p.get("pdl", False))
+                    pdl_seen |= p.get("pdl", False)
     for bits in (4, 8):
         d = build(triton_mma.dequant_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
                   "out_ptr": "*fp16", "N": "i32", "K": "i32", "KW": "i32", "G": "i32"},
                   dict(group_size=128, BITS=bits, TILES=2), num_warps=4)
         assert d.asm.get("cubin")
+    assert pdl_seen and not any(dispatch.mma_choice(4, m, 4096, pdl=False).params.get("pdl") for m in (1, 16, 64))
     print("mma configurations", len(seen))
     print("compiled", count)
 """)
