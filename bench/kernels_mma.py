@@ -143,15 +143,15 @@ def _sweep_kwargs(m: int, quick: bool) -> list[dict]:
 def _probe_variants(bits: int, m: int, n: int) -> list[tuple[str, dict]]:
     p = dict(dispatch.mma_choice(bits, m, n).params)
     variants = [("choice", p)] + [(name, {**p, **kw}) for name, kw in PROBE]
-    return variants + [(f"w{nw}t{t}r{r}m{mx}", dict(num_warps=nw, tiles=t, rows=r, maxnreg=mx))
-                       for nw, t, r, mx in PROBE_EXTRA.get(_cols(m), [])]
+    return variants + [(f"w{kw['num_warps']}t{kw['tiles']}m{kw['maxnreg']}s{kw['split_k']}", kw)
+                       for kw in PROBE_EXTRA.get(_cols(m), [])]
 
 
 def _compile_jobs(quick: bool, probing: bool) -> list[tuple]:
     """One small launch per (bits, K, M, configuration): the same specialization as the timed calls
     (split-K 2, 4 and 8 share one kernel)."""
     jobs = []
-    for bits, ms in SWEEP:
+    for bits, ms in PROBE_SWEEP if probing else SWEEP:
         for k, n in sorted(set(SHAPES.values())):
             for m in ms:
                 if probing:
@@ -229,21 +229,24 @@ def sweep(quick: bool, dump: Path | None = None) -> list[dict]:
     return rows
 
 
-# Variants timed by --probe against the dispatch's choice for the same shape and M (gemv keyword
-# arguments that replace the choice's).
-PROBE = [("pdl", dict(pdl=True)), ("pdl+pf1", dict(pdl=True, prefetch=1)), ("pdl+pf2", dict(pdl=True, prefetch=2)),
-         ("pdl+pf4", dict(pdl=True, prefetch=4)), ("pdl+pf8", dict(pdl=True, prefetch=8))]
-PROBE_EXTRA = {  # configurations tried besides, by column tiles: (warps, tiles, rows, maxnreg)
-    2: [(4, 1, 1, 72), (4, 1, 1, 96), (4, 1, 2, 96), (4, 1, 2, 112), (2, 1, 1, 72)],
-    4: [(4, 1, 2, 168), (2, 1, 2, 168), (4, 1, 2, 128), (8, 1, 2, 168), (4, 1, 1, 96)],
-    8: [(2, 1, 2, 255), (4, 1, 2, 240), (2, 1, 1, 168), (4, 1, 1, 168)],
+# Variants timed by --probe against the dispatch's choice for the same shape and M: gemv keyword
+# arguments that replace the choice's (PROBE), and whole configurations by column tiles (PROBE_EXTRA).
+# Run 37: split-K across programs (one row group) and PDL on the 2-warp gate_up programs at M ≤ 16.
+PROBE = [("nopdl", dict(pdl=False)), ("pdl-pf0", dict(pdl=True, prefetch=0)), ("pdl-pf2", dict(pdl=True, prefetch=2))]
+_PDL = dict(pdl=True, prefetch=1)
+PROBE_EXTRA = {
+    cols: [dict(num_warps=nw, tiles=t, maxnreg=mx, split_k=sk, **_PDL)
+           for nw, t, mx, sk in ((8, 2, 128, 2), (4, 2, 128, 2), (4, 1, 128, 2), (8, 1, 128, 2), (4, 1, 128, 4),
+                                 (2, 1, None, 2), (2, 1, None, 1), (4, 1, 128, 1), (8, 1, 128, 1), (4, 2, 168, 1))]
+    for cols in (1, 2)
 }
+PROBE_SWEEP = ((4, (1, 16)), (8, (1,)))
 
 
 def probe() -> list[dict]:
     """PROBE variants of the dispatch's choice and PROBE_EXTRA configurations, per shape and M."""
     rows = []
-    for bits, ms in SWEEP:
+    for bits, ms in PROBE_SWEEP:
         gs = 128 if bits == 4 else -1
         for shape, (k, n) in SHAPES.items():
             first = random_mw(k, n, bits, gs)
