@@ -145,8 +145,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90 and later."""
-    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+    """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90 and later, unless QUANTKIT_PDL=0."""
+    if os.environ.get("QUANTKIT_PDL", "1") == "0" or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def split_k_for(tiles: int, k_steps: int, device: torch.device, programs_per_sm: float) -> int:
