@@ -145,8 +145,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): NVIDIA sm_90 and later, unless QUANTKIT_PDL=0."""
-    if os.environ.get("QUANTKIT_PDL", "1") == "0" or device.type != "cuda" or torch.version.hip is not None:
+    """Whether to use programmatic dependent launch (griddepcontrol, NVIDIA sm_90 and later): only with
+    QUANTKIT_PDL=1. It speeds up back-to-back GEMVs (4–10 % at M ≤ 16, run 37) but measured slower in
+    the graphed decode step at batch 8 (runs 39–40, bench/KERNELS_NOTES.md), so it is off by default."""
+    if os.environ.get("QUANTKIT_PDL", "0") != "1" or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
