@@ -134,3 +134,47 @@ class Warp:
             g, t = divmod(lane, 4)
             for i, (dr, dc) in enumerate(frag):
                 r[d[i]] = float(D[g + dr, 2 * t + dc])
+
+
+class TensorMemory:
+    """The bytes of some CPU tensors as 32-bit little-endian words at their data pointers, for a Warp
+    run on addresses a Triton kernel computed; any other address fails the test."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.ranges = []
+        for t in tensors:
+            assert t.device.type == "cpu" and t.is_contiguous()
+            data = t.view(torch.uint8).reshape(-1).numpy()
+            self.ranges.append((t.data_ptr(), t.data_ptr() + data.size, data))
+
+    def __getitem__(self, addr: int) -> int:
+        for lo, hi, data in self.ranges:
+            if lo <= addr and addr + 4 <= hi:
+                return int.from_bytes(data[addr - lo:addr - lo + 4].tobytes(), "little")
+        raise AssertionError(f"the asm read {addr:#x}, outside every tensor it was given")
+
+
+def run_inline_asm(asm: str, constraints: str, args: list[np.ndarray], memory: TensorMemory) -> list[np.ndarray]:
+    """What `tl.inline_asm_elementwise(asm, constraints, args, pack=1)` computes for a program whose
+    elements are its threads (element e is lane e % 32 of warp e // 32), with the generated GEMV asm run
+    warp by warp. The PDL and prefetch snippets have no effect on the CPU and return zeros."""
+    cons = constraints.split(",")
+    n_out = sum(c.startswith("=") for c in cons)
+    size = args[0].size
+    if "griddepcontrol" in asm or "prefetch.global" in asm:
+        return [np.zeros(size, dtype=np.int32) for _ in range(n_out)]
+    assert size % 32 == 0 and len(args) == len(cons) - n_out
+    columns = []
+    for c, a in zip(cons[n_out:], args):
+        a = np.broadcast_to(a, (size,))
+        columns.append([int(v) for v in a.view(np.uint16)] if c == "h" else
+                       [float(v) for v in a] if c == "f" else [int(v) for v in a])
+    bf16 = ".bf16.bf16." in asm
+    outs = [np.zeros(size, dtype=np.float32) for _ in range(n_out)]
+    for w in range(size // 32):
+        lanes = [[col[32 * w + i] for col in columns] for i in range(32)]
+        res = Warp(asm, lanes, memory, bf16, first_input=n_out).run()
+        for i in range(32):
+            for j in range(n_out):
+                outs[j][32 * w + i] = res[i][j]
+    return outs

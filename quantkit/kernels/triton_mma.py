@@ -29,9 +29,9 @@ int32 [row tiles, K tiles · 64 · words per thread]; rows past N (up to a multi
 the last tile are zero.
 
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
-runs on NVIDIA GPUs only (sm_80 and later), not under TRITON_INTERPRET; the CPU tests execute the
-generated PTX with a small interpreter (tests/ptx_interp.py), and `emulate` reproduces the
-arithmetic in torch. Figures and the variants tried: BENCHMARKS.md ("Kernels") and
+runs on NVIDIA GPUs only (sm_80 and later; PDL needs sm_90), not under a plain TRITON_INTERPRET; the
+CPU tests run the whole kernel under the interpreter with its inline PTX executed by a small PTX
+interpreter (tests/ptx_interp.py), and `emulate` reproduces the arithmetic in torch. Figures and the variants tried: BENCHMARKS.md ("Kernels") and
 bench/KERNELS_NOTES.md, items 14–28.
 """
 
@@ -374,13 +374,13 @@ def mma_gemv_kernel(
     m_left = M - g
     tile = lo + warp // WR
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        _ptx_effect("griddepcontrol.launch_dependents;", e)
         for u in tl.static_range(PREFETCH):
             tc = tl.minimum(tile + u * WK, hi - 1).to(tl.int64)
             for r in tl.static_range(ROWS):
                 for half in tl.static_range(WPT // 2):  # 512-byte runs: rows g, g + 8 (W8: two chunks each)
                     _prefetch_l2(w_row + tc * TILE_BYTES + r * tile_rows + half * 512)
-        tl.extra.cuda.gdc_wait()
+        _ptx_effect("griddepcontrol.wait;", e)
     for _ in range(0, tl.cdiv(per, WK * TILES)):
         ops = _tile_ops(tile, hi, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size, TILE_BYTES, ROWS)
         for u in tl.static_range(1, TILES):
@@ -411,6 +411,12 @@ def _prefetch_l2(addr):
     """Ask L2 for the line holding each thread's address (no register result)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+@triton.jit
+def _ptx_effect(INSTR: tl.constexpr, like):
+    """One PTX instruction without operands (griddepcontrol), run by every thread (`like` gives the shape)."""
+    tl.inline_asm_elementwise(INSTR + "\nmov.u32 $0, 0;", "=r,r", [like * 0], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

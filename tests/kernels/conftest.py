@@ -3,7 +3,8 @@
 TRITON_INTERPRET must be set before a kernel module is imported (the @triton.jit decorator reads it),
 so it is set here, at collection time. Two interpreter bugs are patched for the tests (Triton 3.x):
 a bf16 `tl.dot` multiplies the raw uint16 bit patterns, and fp32 → bf16 casts truncate instead of
-rounding to nearest even as the GPU does.
+rounding to nearest even as the GPU does. The `mma_asm` fixture also lets the interpreter run the
+tensor-core GEMV's inline PTX (which it rejects) through tests/ptx_interp.py.
 """
 
 from __future__ import annotations
@@ -52,3 +53,46 @@ def triton_interpreter():
     # The kernels must have been decorated after TRITON_INTERPRET was set, or the tests would try a GPU.
     assert type(gemv_kernel).__name__ == "InterpretedFunction", "a kernel module was imported before conftest"
     _patch_interpreter()
+
+
+class _AsmCall:
+    def __init__(self, results):
+        self.results = results
+
+    def get_result(self, i):
+        return self.results[i]
+
+
+@pytest.fixture
+def mma_asm(triton_interpreter):
+    """Run `tl.inline_asm_elementwise` under the interpreter with the PTX interpreter, reading memory
+    from the tensors passed to the returned `use_memory(*tensors)` (x and the packed words)."""
+    from triton.runtime import interpreter as interp
+
+    from ptx_interp import TensorMemory, run_inline_asm
+
+    state = {}
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        assert pack == 1
+        outs = run_inline_asm(asm, constraints, [v.data for v in values], state["memory"])
+        return _AsmCall([interp.TensorHandle(o.astype(np.float32 if t.element_ty == tl.float32 else np.int32),
+                                             t.element_ty) for o, t in zip(outs, types)])
+
+    import builtins
+
+    import triton.language as tl
+    from triton.language import core
+
+    def inline_asm_elementwise(*args, **kwargs):
+        # Several outputs come back as a tl.tuple, which the interpreter cannot append to a Python
+        # tuple (`ops + acc` in the kernel's loop); the compiler can. Hand them back as a Python tuple.
+        kwargs["_semantic"] = interp.interpreter_semantic
+        res = core.inline_asm_elementwise(*args, **kwargs)
+        return builtins.tuple(res.values) if isinstance(res, core.tuple) else res
+
+    original = interp.InterpreterBuilder.create_inline_asm, tl.inline_asm_elementwise
+    interp.InterpreterBuilder.create_inline_asm = create_inline_asm
+    tl.inline_asm_elementwise = inline_asm_elementwise
+    yield lambda *tensors: state.update(memory=TensorMemory(*tensors))
+    interp.InterpreterBuilder.create_inline_asm, tl.inline_asm_elementwise = original
