@@ -1,7 +1,7 @@
 #!/bin/bash
 # The published kernel figures (BENCHMARKS.md, "Kernels"), in two device calls of under 10 minutes:
-#   bash bench/final_gpu_run.sh OUTDIR a    # table + plot (kernel_speed.py), end to end (kernels_e2e.py): run 28
-#   bash bench/final_gpu_run.sh OUTDIR b    # correctness (kernels_check.py), decode speed (decode_speed.py): run 29
+#   bash bench/final_gpu_run.sh OUTDIR a    # table + plot (kernel_speed.py), end to end (kernels_e2e.py): runs 37, 41
+#   bash bench/final_gpu_run.sh OUTDIR b    # correctness (kernels_check.py), decode speed (decode_speed.py): runs 39, 41, 42
 out=${1:?usage: bench/final_gpu_run.sh OUTDIR a|b}
 part=${2:?usage: bench/final_gpu_run.sh OUTDIR a|b}
 mkdir -p "$out"/speed

@@ -6,8 +6,11 @@
 four shapes, per M, and installs the fastest as the dispatch table (written to DIR/table.json, then
 copied into quantkit/kernels/dispatch.py). The benchmark proper goes through dispatch.run with the
 layout and kernel choice the runtime gives such a layer (on CUDA the mma layout and
-dispatch.mma_choice; --block-planar times the block-planar kernels and their table instead). Times are medians over CUDA-graph replays, every call on a different weight buffer of a
-ring several times the L2 size; plain (eager) launch times are reported beside them. Writes
+dispatch.mma_choice; --block-planar times the block-planar kernels and their table instead). Times
+are medians over CUDA-graph replays, every call on a different weight buffer of a ring several times
+the L2 size; plain (eager) launch times are reported beside them, and for the
+mma GEMV the other launch mode (programmatic dependent launch when it is off, as by default, or
+without it under QUANTKIT_PDL=1). The kernels are compiled first by a pool of processes. Writes
 DIR/kernels.json, DIR/kernels.md and DIR/kernels_speedup.png.
 """
 
@@ -33,7 +36,8 @@ W8_MS = (1, 16, 64, 256, 1024)
 def runtime_layout(kw):
     """The layout the runtime gives such a layer on this GPU with fp16 activations (the mma layout
     unless --block-planar), as dispatch.kernel_weights does."""
-    if BLOCK_PLANAR or not triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], torch.float16):
+    if BLOCK_PLANAR or not triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1],
+                                               torch.float16):
         return kw
     return triton_mma.from_kernel_weights(kw)
 
@@ -66,14 +70,14 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
         print(f"torch int4 unavailable: {exc}")
         i4, i4_bytes = None, 0
     for bits, ms in ((4, w4_ms), (8, w8_ms)):
-        kws = [runtime_layout(random_kw(k, n, bits, 128 if bits == 4 else -1))]
-        kws += [runtime_layout(random_kw(k, n, bits, 128 if bits == 4 else -1)) for _ in range(ring_size(kws[0].nbytes) - 1)]
+        gs = 128 if bits == 4 else -1
+        kws = [runtime_layout(random_kw(k, n, bits, gs))]
+        kws += [runtime_layout(random_kw(k, n, bits, gs)) for _ in range(ring_size(kws[0].nbytes) - 1)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             choice = dispatch.choice_for(kws[0], m, x.device)
-            params = "".join(f" {a}{v}" for a, v in (("w", choice.params.get("num_warps")),
-                                                      ("t", choice.params.get("tiles")), ("r", choice.params.get("rows")))
-                             if v)
+            named = (("w", "num_warps"), ("t", "tiles"), ("r", "rows"))
+            params = "".join(f" {a}{choice.params[key]}" for a, key in named if choice.params.get(key))
             row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m,
                    "kernel": choice.method + params + (" pdl" if choice.params.get("pdl") else ""),
                    "ours": measure(lambda kw: dispatch.run(x, kw, None, choice), kws, kws[0].nbytes, m, k, n),
@@ -94,7 +98,8 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
             i4s = f"{row['int4']['us']:7.1f}" if "int4" in row else "    n/a"
             npd = f" (no PDL {row['ours_no_pdl']['us']:.1f})" if "ours_no_pdl" in row else ""
             npd += f" (PDL {row['ours_pdl']['us']:.1f})" if "ours_pdl" in row else ""
-            print(f"W{bits} {shape:7} M={m:4} ours {row['ours']['us']:7.1f}us{npd} ({row['ours']['plain_us']:6.1f} plain) "
+            print(f"W{bits} {shape:7} M={m:4} ours {row['ours']['us']:7.1f}us{npd} "
+                  f"({row['ours']['plain_us']:6.1f} plain) "
                   f"{row['ours']['tbps']:.2f}TB/s {row['copy_pct']:4.0f}% | fp16 {row['fp16']['us']:7.1f} | int4 {i4s} "
                   f"| x{row['speedup']:.2f} {choice.method}", flush=True)
         del kws
@@ -121,7 +126,8 @@ def precompile(ms, w8_ms, workers: int = 15) -> None:
     t0 = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = [e for e in pool.map(_compile_one, list(jobs.values()), chunksize=1) if e]
-    print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f} s, {len(errors)} failed: {errors[:3]}", flush=True)
+    print(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f} s, {len(errors)} failed: {errors[:3]}",
+          flush=True)
 
 
 def markdown(results: list, copy_tbps: float) -> str:

@@ -31,8 +31,8 @@ the last tile are zero.
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
 runs on NVIDIA GPUs only (sm_80 and later; PDL needs sm_90), not under a plain TRITON_INTERPRET; the
 CPU tests run the whole kernel under the interpreter with its inline PTX executed by a small PTX
-interpreter (tests/ptx_interp.py), and `emulate` reproduces the arithmetic in torch. Figures and the variants tried: BENCHMARKS.md ("Kernels") and
-bench/KERNELS_NOTES.md, items 14–28.
+interpreter (tests/ptx_interp.py), and `emulate` reproduces the arithmetic in torch. Figures and
+the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 14–42.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, unpack_
 from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
 
 TILE_K = 128
-ROW_TILES_MAX = 4  # most 16-row tiles one GEMV program takes (`gemv(rows=…)`); qweight's row tiles are a multiple
+ROW_TILES_MAX = 4  # most 16-row tiles per warp (`gemv(rows=…)`); qweight's row tiles are a multiple
 # Step h of a word's two mma steps takes its two fp16 pairs from nibbles (p, p + 4), p = PAIR_NIBBLE[h][i]:
 # the pair's inputs are offsets 4·h + 2·i and 4·h + 2·i + 1 of the word's 8. Odd p sit 4 bits up, so
 # with fp16 the step with odd p reads them in place as 1024 + 16·q (one lop3, no shift).
@@ -559,7 +559,8 @@ def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     else:
         vals = torch.stack([(words >> s) & 0xFF for s in (0, 8, 16, 24)], -1)  # offsets 0..3 of (t, c, h)
     a = (vals.to(torch.float32) + 1024.0).reshape(n, kp // TILE_K, 4, 4, 8).transpose(2, 3).reshape(n, kp)
-    groups = torch.div(torch.arange(kp, device=x.device), mw.group_size, rounding_mode="floor").clamp(max=mw.scales.shape[1] - 1)
+    groups = torch.div(torch.arange(kp, device=x.device), mw.group_size, rounding_mode="floor")
+    groups = groups.clamp(max=mw.scales.shape[1] - 1)
     z = mw.zeros.to(torch.float32)[:, groups] + 1024.0
     s = mw.scales.to(torch.float32)
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device)

@@ -21,6 +21,25 @@ def test_mma_choice_by_rows_of_x():
     assert dispatch.mma_choice(4, 1, 22016).params["num_warps"] == 2
 
 
+def test_mma_choice_row_tiles_and_pdl():
+    # M = 32 on qkv-wide layers: two row tiles per warp under a 168-register budget (12 warps per SM)
+    p = dispatch.mma_choice(4, 32, 12288).params
+    assert p["rows"] == 2 and p["maxnreg"] == 168
+    # PDL only where it measured faster, and never when the GPU (or QUANTKIT_PDL) rules it out
+    assert dispatch.mma_choice(4, 1, 12288, pdl=True).params.get("pdl")
+    assert not dispatch.mma_choice(4, 1, 22016, pdl=True).params.get("pdl")  # gate_up's 2-warp programs
+    for m in (1, 8, 16, 32, 64):
+        for n in (4096, 12288, 22016):
+            assert not dispatch.mma_choice(8, m, n, pdl=False).params.get("pdl")
+
+
+def test_pdl_is_opt_in(monkeypatch):
+    monkeypatch.delenv("QUANTKIT_PDL", raising=False)
+    assert not dispatch._has_pdl(torch.device("cpu"))
+    monkeypatch.setenv("QUANTKIT_PDL", "1")
+    assert not dispatch._has_pdl(torch.device("cpu"))  # no CUDA device: never
+
+
 def test_run_mma_layout_dequantize_path(triton_interpreter):
     g = torch.Generator().manual_seed(0)
     n, k = 40, 256
