@@ -13,12 +13,22 @@ W = (q − z) · s as in the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from quantkit.kernels.reference import awq_ints, packed_zero_points, seq_ints
 
 BLOCK_WORDS = 4
+# Output rows repacked at a time. Repacking goes through int64 temporaries (8 bytes per weight, several
+# alive at once): whole layers took 2.5 GB of transient memory for a 22016 × 4096 one (45 MB packed),
+# 1024 rows keep it to tens of MB. A multiple of 64, so that chunks of the mma layout's row tiles join.
+ROW_CHUNK = 1024
+
+
+def by_rows(n: int, pack: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """pack(r0, r1) for each chunk [r0, r1) of ROW_CHUNK rows of n, concatenated along rows."""
+    return torch.cat([pack(r0, min(r0 + ROW_CHUNK, n)) for r0 in range(0, n, ROW_CHUNK)])
 
 
 @dataclass
@@ -45,6 +55,10 @@ class KernelWeights(PackedWeights):
 
 def pack_block_planar(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Integers q [N, K] in 0..2^b−1 → int32 [N, K8] in the block-planar layout."""
+    return by_rows(q.shape[0], lambda r0, r1: _pack_block_planar_rows(q[r0:r1], bits))
+
+
+def _pack_block_planar_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = 32 // bits
     block = BLOCK_WORDS * per_word
     n, k = q.shape
@@ -71,10 +85,9 @@ def unpack_block_planar(qweight: torch.Tensor, bits: int, k: int) -> torch.Tenso
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> KernelWeights:
     """Kernel layout from AutoAWQ gemm tensors (4-bit)."""
     k, n = qweight.shape[0], scales.shape[1]
-    q = awq_ints(qweight).t()  # [N, K]
     z = awq_ints(qzeros).t()  # [N, G]
-    return KernelWeights(
-        qweight=pack_block_planar(q, 4),
+    return KernelWeights(  # output rows r0…r1 are AWQ columns, 8 per word
+        qweight=by_rows(n, lambda r0, r1: pack_block_planar(awq_ints(qweight[:, r0 // 8:-(-r1 // 8)]).t(), 4)),
         scales=scales.t().contiguous().to(torch.float16),
         zeros=z.to(torch.uint8).contiguous(),
         bits=4, group_size=group_size, in_features=k, out_features=n,
@@ -91,10 +104,10 @@ def from_packed(
     group_size: int,
 ) -> KernelWeights:
     """Kernel layout from compressed-tensors pack-quantized tensors (4 or 8 bits)."""
-    q = seq_ints(weight_packed, bits, in_features)
     z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).to(torch.uint8)
     return KernelWeights(
-        qweight=pack_block_planar(q, bits),
+        qweight=by_rows(out_features,
+                        lambda r0, r1: pack_block_planar(seq_ints(weight_packed[r0:r1], bits, in_features), bits)),
         scales=weight_scale.to(torch.float16).contiguous(),
         zeros=z.contiguous(),
         bits=bits, group_size=group_size, in_features=in_features, out_features=out_features,

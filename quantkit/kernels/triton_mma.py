@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.triton_gemm import _dequant_values, _zero_bias_scale
-from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, unpack_block_planar
+from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, by_rows, unpack_block_planar
 from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
 
 TILE_K = 128
@@ -131,9 +131,11 @@ def unpack_mma(qweight: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor
 
 def from_kernel_weights(kw: KernelWeights) -> MmaWeights:
     """The mma layout of a layer already in the block-planar kernel layout (same scales and zeros)."""
-    q = unpack_block_planar(kw.qweight, kw.bits, kw.in_features)
-    return MmaWeights(pack_mma(q, kw.bits), kw.scales, kw.zeros, kw.bits, kw.group_size, kw.in_features,
-                      kw.out_features)
+    def rows(r0: int, r1: int) -> torch.Tensor:  # ROW_CHUNK is a multiple of 64: whole groups of row tiles
+        return pack_mma(unpack_block_planar(kw.qweight[r0:r1], kw.bits, kw.in_features), kw.bits)
+
+    return MmaWeights(by_rows(kw.out_features, rows), kw.scales, kw.zeros, kw.bits, kw.group_size,
+                      kw.in_features, kw.out_features)
 
 
 def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, rows: int = 1) -> tuple[str, str]:
