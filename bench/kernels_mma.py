@@ -191,47 +191,41 @@ def sweep(quick: bool, dump: Path | None = None) -> list[dict]:
     """Every configuration of the mma GEMV per shape and M, beside fp16 F.linear and the dispatch's choice
     (the rows so far written to `dump` after each shape, in case the run is cut short)."""
     rows = []
-    for bits, ms in SWEEP:
-        gs = 128 if bits == 4 else -1
-        for shape, (k, n) in SHAPES.items():
-            first = random_mw(k, n, bits, gs)
-            ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
-            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                base = {"shape": shape, "bits": bits, "m": m}
-                t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
-                choice = dispatch.mma_choice(bits, m, n)
-                told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
-                best = None
-                for nw, tiles, nrows, maxnreg, wr, split in CONFIGS[_cols(m)][: 2 if quick else None]:
-                    try:
-                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows,
-                                                                     maxnreg=maxnreg, warps_n=wr, split_k=split)
-                                       for mw in ring])
-                    except Exception as exc:
-                        print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} rows{nrows} wr{wr} s{split}: {exc!r}"[:300])
-                        continue
-                    tbps = first.nbytes / us / 1e6
-                    rows.append({**base, "warps": nw, "tiles": tiles, "rows": nrows, "maxnreg": maxnreg, "warps_n": wr,
-                                 "split_k": split, "us": us, "tbps": tbps, "fp16_us": t16, "now_us": told,
-                                 "now": choice.method})
-                    if best is None or us < best[0]:
-                        best = (us, nw, tiles, tbps, maxnreg, nrows, wr, split)
-                print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | now {told:6.1f} ({choice.method}) | best "
-                      f"{best[0]:6.1f} us w{best[1]} t{best[2]} rows{best[5]} r{best[4]} wr{best[6]} s{best[7]} "
-                      f"{best[3]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
-                      flush=True)
-            del ring, fp16
-            torch.cuda.empty_cache()
-            if dump is not None:
-                dump.write_text(json.dumps(rows))
+    for bits, ms, shape, k, n, ring, fp16 in _rings(SWEEP):
+        first = ring[0]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            base = {"shape": shape, "bits": bits, "m": m}
+            t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
+            choice = dispatch.mma_choice(bits, m, n)
+            told = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
+            best = None
+            for nw, tiles, nrows, maxnreg, wr, split in CONFIGS[_cols(m)][: 2 if quick else None]:
+                try:
+                    us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=nrows,
+                                                                 maxnreg=maxnreg, warps_n=wr, split_k=split)
+                                   for mw in ring])
+                except Exception as exc:
+                    print(f"FAILED W{bits} {shape} M={m} w{nw} t{tiles} rows{nrows} wr{wr} s{split}: {exc!r}"[:300])
+                    continue
+                tbps = first.nbytes / us / 1e6
+                rows.append({**base, "warps": nw, "tiles": tiles, "rows": nrows, "maxnreg": maxnreg, "warps_n": wr,
+                             "split_k": split, "us": us, "tbps": tbps, "fp16_us": t16, "now_us": told,
+                             "now": choice.method})
+                if best is None or us < best[0]:
+                    best = (us, nw, tiles, tbps, maxnreg, nrows, wr, split)
+            print(f"W{bits} {shape:7} M={m:2}: fp16 {t16:6.1f} | now {told:6.1f} ({choice.method}) | best "
+                  f"{best[0]:6.1f} us w{best[1]} t{best[2]} rows{best[5]} r{best[4]} wr{best[6]} s{best[7]} "
+                  f"{best[3]:.2f} TB/s -> x{t16 / best[0]:.2f} fp16",
+                  flush=True)
+        if dump is not None:
+            dump.write_text(json.dumps(rows))
     return rows
 
 
 # Variants timed by --probe against the dispatch's choice for the same shape and M: gemv keyword
 # arguments that replace the choice's (PROBE), and whole configurations by column tiles (PROBE_EXTRA).
-# Run 37: split-K across programs (one row group) and PDL on the 2-warp gate_up programs at M ≤ 16.
+# Run 38: split-K across programs (one row group) and PDL on the 2-warp gate_up programs at M ≤ 16.
 PROBE = [("nopdl", dict(pdl=False)), ("pdl-pf0", dict(pdl=True, prefetch=0)), ("pdl-pf2", dict(pdl=True, prefetch=2))]
 _PDL = dict(pdl=True, prefetch=1)
 PROBE_EXTRA = {
@@ -246,29 +240,36 @@ PROBE_SWEEP = ((4, (1, 16)), (8, (1,)))
 def probe() -> list[dict]:
     """PROBE variants of the dispatch's choice and PROBE_EXTRA configurations, per shape and M."""
     rows = []
-    for bits, ms in PROBE_SWEEP:
+    for bits, ms, shape, k, n, ring, fp16 in _rings(PROBE_SWEEP):
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
+            line = []
+            for name, kw in _probe_variants(bits, m, n):
+                try:
+                    us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, **kw) for mw in ring])
+                except Exception as exc:
+                    print(f"FAILED W{bits} {shape} M={m} {name}: {exc!r}"[:300])
+                    continue
+                rows.append({"shape": shape, "bits": bits, "m": m, "variant": name, "params": kw, "us": us,
+                             "fp16_us": t16})
+                line.append(f"{name} {us:.1f}")
+            print(f"W{bits} {shape:7} M={m:2} fp16 {t16:5.1f}: " + " | ".join(line), flush=True)
+    return rows
+
+
+def _rings(plan):
+    """For each (bits, Ms) of `plan` and each shape: (bits, Ms, shape, K, N, ring of random mma
+    weights, ring of fp16 weights), the rings several times the L2 size; freed after each shape."""
+    for bits, ms in plan:
         gs = 128 if bits == 4 else -1
         for shape, (k, n) in SHAPES.items():
             first = random_mw(k, n, bits, gs)
             ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
             fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                t16 = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
-                line = []
-                for name, kw in _probe_variants(bits, m, n):
-                    try:
-                        us = graph_us([lambda mw=mw: triton_mma.gemv(x, mw, **kw) for mw in ring])
-                    except Exception as exc:
-                        print(f"FAILED W{bits} {shape} M={m} {name}: {exc!r}"[:300])
-                        continue
-                    rows.append({"shape": shape, "bits": bits, "m": m, "variant": name, "params": kw, "us": us,
-                                 "fp16_us": t16})
-                    line.append(f"{name} {us:.1f}")
-                print(f"W{bits} {shape:7} M={m:2} fp16 {t16:5.1f}: " + " | ".join(line), flush=True)
-            del ring, fp16
+            yield bits, ms, shape, k, n, ring, fp16
+            del first, ring, fp16
             torch.cuda.empty_cache()
-    return rows
 
 
 @triton.jit
