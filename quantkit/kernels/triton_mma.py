@@ -527,17 +527,26 @@ def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + offs_k, w, mask=ok[:, None] & (offs_k < K))
 
 
-def dequantize(mw: MmaWeights, dtype: torch.dtype, tiles: int = 2, num_warps: int = 4) -> torch.Tensor:
+def dequantize(mw: MmaWeights, dtype: torch.dtype, tiles: int = 2, num_warps: int = 4,
+               rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] in `dtype` from the mma layout, for the dequantize-then-cuBLAS path (pure Triton: runs
-    under TRITON_INTERPRET too). `tiles` (a power of two) K-tiles per program."""
+    under TRITON_INTERPRET too). `tiles` (a power of two) K-tiles per program. `rows` = (r0, r1), r0 a
+    multiple of 16, dequantizes only output rows r0…r1 − 1, into `out` ([r1 − r0, K], contiguous) if
+    given: a chunk of the weight, e.g. for a scratch buffer reused chunk after chunk."""
     n, k = mw.out_features, mw.in_features
+    r0, r1 = (0, n) if rows is None else rows
+    if r0 % 16 or not 0 <= r0 < r1 <= n:
+        raise ValueError(f"rows must be 0 ≤ r0 < r1 ≤ {n} with r0 a multiple of 16, got {rows}")
     kw, g = mw.qweight.shape[1], mw.scales.shape[1]
     if g > 1 and mw.group_size % TILE_K:
         raise ValueError(f"the mma layout needs groups of whole {TILE_K}-input tiles, got group size {mw.group_size}")
-    out = torch.empty(n, k, dtype=dtype, device=mw.qweight.device)
-    grid = (triton.cdiv(n, 16), triton.cdiv(triton.cdiv(k, TILE_K), tiles))
-    dequant_mma_kernel[grid](mw.qweight, mw.scales, mw.zeros, out, n, k, kw, g, group_size=mw.group_size,
-                             BITS=mw.bits, TILES=tiles, num_warps=num_warps)
+    if out is None:
+        out = torch.empty(r1 - r0, k, dtype=dtype, device=mw.qweight.device)
+    if out.shape != (r1 - r0, k) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{r1 - r0}, {k}] tensor, got {tuple(out.shape)}")
+    grid = (triton.cdiv(r1 - r0, 16), triton.cdiv(triton.cdiv(k, TILE_K), tiles))
+    dequant_mma_kernel[grid](mw.qweight[r0 // 16:], mw.scales[r0:r1], mw.zeros[r0:r1], out, r1 - r0, k, kw, g,
+                             group_size=mw.group_size, BITS=mw.bits, TILES=tiles, num_warps=num_warps)
     return out
 
 

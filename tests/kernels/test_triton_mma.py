@@ -64,6 +64,18 @@ def test_dequantize_kernel(triton_interpreter, bits, gs, dtype, tiles):
     torch.testing.assert_close(out, w.to(dtype), rtol=0, atol=0)
 
 
+def test_dequantize_row_range_into_a_buffer(triton_interpreter):
+    mw, _, w = random_layer(70, 256, 4, 128, seed=11)
+    whole = tm.dequantize(mw, torch.float16)
+    buf = torch.full((70 - 32, 256), float("nan"), dtype=torch.float16)
+    got = tm.dequantize(mw, torch.float16, rows=(32, 70), out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(got, whole[32:70], rtol=0, atol=0)
+    torch.testing.assert_close(got, w[32:70].half(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tm.dequantize(mw, torch.float16, rows=(8, 40))
+
+
 def test_supports():
     assert tm.supports(4, 128, 4096, 32, torch.float16)
     assert tm.supports(8, 4096, 4096, 1, torch.float16)
