@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.kernel_candidates import SHAPES
-from bench.kernel_timing import graph_us, rel_err, ring_size
-from bench.kernels_mma import random_mw
+from bench.kernel_timing import graph_us, rel_err
+from bench.kernels_mma import _rings
 from quantkit.kernels import dispatch, triton_mma
 
 
@@ -47,27 +46,21 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for bits in (4, 8):
-        for shape, (k, n) in SHAPES.items():
-            ring = [random_mw(k, n, bits, 128 if bits == 4 else -1)]
-            ring += [random_mw(k, n, bits, 128 if bits == 4 else -1) for _ in range(ring_size(ring[0].nbytes) - 1)]
-            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
-            scratch = torch.empty(max(chunks), k, device="cuda", dtype=torch.float16)
-            for m in ms:
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-                row = {"bits": bits, "shape": shape, "m": m,
-                       "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16]),
-                       "dequant_cublas_us": graph_us([lambda mw=mw: dispatch.run(x, mw, None, dispatch._CUBLAS)
-                                                      for mw in ring])}
-                ref = dispatch.run(x, ring[0], None, dispatch._CUBLAS)
-                for c in chunks:
-                    row[f"chunk{c}_us"] = graph_us([lambda mw=mw, c=c: chunked(x, mw, scratch, c, out) for mw in ring])
-                    row[f"chunk{c}_err"] = rel_err(chunked(x, ring[0], scratch, c, out.clone()), ref)
-                rows.append(row)
-                print(json.dumps({k_: round(v, 4) if isinstance(v, float) else v for k_, v in row.items()}), flush=True)
-            del ring, fp16
-            torch.cuda.empty_cache()
+    for bits, ms, shape, k, n, ring, fp16 in _rings(((4, ms), (8, ms))):
+        scratch = torch.empty(max(chunks), k, device="cuda", dtype=torch.float16)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+            row = {"bits": bits, "shape": shape, "m": m,
+                   "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16]),
+                   "dequant_cublas_us": graph_us([lambda mw=mw: dispatch.run(x, mw, None, dispatch._CUBLAS)
+                                                  for mw in ring])}
+            ref = dispatch.run(x, ring[0], None, dispatch._CUBLAS)
+            for c in chunks:
+                row[f"chunk{c}_us"] = graph_us([lambda mw=mw, c=c: chunked(x, mw, scratch, c, out) for mw in ring])
+                row[f"chunk{c}_err"] = rel_err(chunked(x, ring[0], scratch, c, out.clone()), ref)
+            rows.append(row)
+            print(json.dumps({k_: round(v, 4) if isinstance(v, float) else v for k_, v in row.items()}), flush=True)
     (args.out / "large_m.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -105,7 +105,7 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True) -> C
     4 warps; wider ones (gate_up) 2. From M = 32, wide and mid layers take 2 row tiles per warp (x
     shared between them) under a 168-register budget (12 warps per SM instead of 8). Programmatic
     dependent launch (prefetch of one K-tile per warp before the wait) wherever it measured faster:
-    2–10 % at M ≤ 16 except for the 2-warp programs of gate_up, which it slowed by 12 %. Each choice
+    4–20 % at M ≤ 16 except for the 2-warp programs of gate_up, which it slowed by 12 %. Each choice
     is the fastest configuration timed for its shape and M, or within 3 % of it. Above M = 64
     dequantize + cuBLAS.
     """
@@ -146,7 +146,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _has_pdl(device: torch.device) -> bool:
     """Whether to use programmatic dependent launch (griddepcontrol, NVIDIA sm_90 and later): only with
-    QUANTKIT_PDL=1. It speeds up back-to-back GEMVs (4–10 % at M ≤ 16, run 37) but measured slower in
+    QUANTKIT_PDL=1. It speeds up back-to-back GEMVs (4–20 % at M ≤ 16, runs 36–41) but measured slower in
     the graphed decode step at batch 8 (runs 39–40, bench/KERNELS_NOTES.md), so it is off by default."""
     if os.environ.get("QUANTKIT_PDL", "0") != "1" or device.type != "cuda" or torch.version.hip is not None:
         return False

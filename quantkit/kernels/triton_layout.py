@@ -87,7 +87,7 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     k, n = qweight.shape[0], scales.shape[1]
     z = awq_ints(qzeros).t()  # [N, G]
     return KernelWeights(  # output rows r0…r1 are AWQ columns, 8 per word
-        qweight=by_rows(n, lambda r0, r1: pack_block_planar(awq_ints(qweight[:, r0 // 8:-(-r1 // 8)]).t(), 4)),
+        qweight=by_rows(n, lambda r0, r1: _pack_block_planar_rows(awq_ints(qweight[:, r0 // 8:-(-r1 // 8)]).t(), 4)),
         scales=scales.t().contiguous().to(torch.float16),
         zeros=z.to(torch.uint8).contiguous(),
         bits=4, group_size=group_size, in_features=k, out_features=n,
@@ -106,8 +106,8 @@ def from_packed(
     """Kernel layout from compressed-tensors pack-quantized tensors (4 or 8 bits)."""
     z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).to(torch.uint8)
     return KernelWeights(
-        qweight=by_rows(out_features,
-                        lambda r0, r1: pack_block_planar(seq_ints(weight_packed[r0:r1], bits, in_features), bits)),
+        qweight=by_rows(out_features, lambda r0, r1: _pack_block_planar_rows(seq_ints(weight_packed[r0:r1], bits,
+                                                                                      in_features), bits)),
         scales=weight_scale.to(torch.float16).contiguous(),
         zeros=z.contiguous(),
         bits=bits, group_size=group_size, in_features=in_features, out_features=out_features,

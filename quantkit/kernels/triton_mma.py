@@ -292,8 +292,7 @@ def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, row
 
 
 @triton.jit
-def _tile(tile, hi, w_row, x_row, s_row, z_row, row_ok, row8_ok, t, K, G,
-          group_size: tl.constexpr, TILE_BYTES: tl.constexpr):
+def _tile(tile, hi, w_row, x_row, t, K, TILE_BYTES: tl.constexpr):
     """One tile's operands for each thread: word address of row g, x address of x row g, inputs left.
     A tile past `hi` is clamped to valid memory (its scales are 0, see `_tile_scales`)."""
     tc = tl.minimum(tile, hi - 1).to(tl.int64)
@@ -318,7 +317,7 @@ def _tile_scales(tile, hi, s_row, z_row, row_ok, row8_ok, G, group_size: tl.cons
 def _tile_ops(tile, hi, w_row, x_row, s_row, z_row, row, N, t, K, G, group_size: tl.constexpr,
               TILE_BYTES: tl.constexpr, ROWS: tl.constexpr):
     """The asm operands of one K-tile: `_tile`, then `_tile_scales` of each of the ROWS row tiles."""
-    ops = _tile(tile, hi, w_row, x_row, s_row, z_row, row < N, row + 8 < N, t, K, G, group_size, TILE_BYTES)
+    ops = _tile(tile, hi, w_row, x_row, t, K, TILE_BYTES)
     for r in tl.static_range(ROWS):
         ops = ops + _tile_scales(tile, hi, s_row + 16 * r * G, z_row + 16 * r * G, row + 16 * r < N,
                                  row + 16 * r + 8 < N, G, group_size)
