@@ -230,10 +230,33 @@ def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device) -> 
     return choose(kw.bits, m)
 
 
+def gemv_launch(kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, m: int, dtype: torch.dtype,
+                device: torch.device) -> triton_mma.GemvLaunch | None:
+    """The layer's kept mma GEMV launch for M rows of `dtype` activations, made at the first call (None
+    when the dispatch runs another kernel there). Kept on the kernel weights, so a layer moved to
+    another device, whose kernel weights are rebuilt, starts afresh; remade if the bias changes."""
+    if not isinstance(kw, MmaWeights) or m > 64:
+        return None
+    launches = kw.__dict__.setdefault("launches", {})
+    launch = launches.get((m, dtype))
+    if launch is None or (launch and launch.bias is not bias):
+        choice = choice_for(kw, m, device)
+        launch = False
+        if choice.method == "mma" and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1],
+                                                          dtype):
+            launch = triton_mma.GemvLaunch(kw, bias, m, device, bf16=dtype == torch.bfloat16, **choice.params)
+        launches[(m, dtype)] = launch
+    return launch or None
+
+
 def quant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """y = x Wᵀ + b for a QuantLinear-like layer, on the kernel chosen for its layout, bits and M."""
     kw = kernel_weights(layer, x.device, dtype=x.dtype)
     shape = x.shape
     x2d = x.reshape(-1, shape[-1])
-    y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device))
+    launch = gemv_launch(kw, layer.bias, x2d.shape[0], x2d.dtype, x.device)
+    if launch is not None:
+        y = launch(x2d)
+    else:
+        y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device))
     return y.reshape(*shape[:-1], kw.out_features)

@@ -204,3 +204,77 @@ def test_dispatch_runs_64_row_slices(mma_asm):
     ref = _reference(x, w, b)
     assert out.shape == (70, 24)
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+class _FakeCompiled:
+    """Stands in for Triton's compiled kernel: records what the fast path hands its launcher."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+class _FakeDriver:
+    class active:
+        @staticmethod
+        def get_current_device():
+            return 0
+
+        @staticmethod
+        def get_current_stream(device):
+            return 1234
+
+
+def test_gemv_launch_hands_the_kernel_its_arguments_in_order(mma_asm, monkeypatch):
+    """After the first call (the interpreter has no compiled kernel to keep, so one is injected), a
+    GemvLaunch passes the compiled kernel every argument in the kernel's parameter order with this
+    call's x and output; a call whose specialization differs (an output row stride not ≡ the first
+    one's modulo 16) goes through Triton's front end again and still computes the product."""
+    mw, _, w = random_layer(40, 256, 4, 128, seed=5)
+    g = torch.Generator().manual_seed(5)
+    x1, x2 = (torch.randn(3, 256, generator=g).half() for _ in range(2))
+    mma_asm(x1, mw.qweight)
+    launch = tm.GemvLaunch(mw, None, 3, x1.device, num_warps=2, tiles=2)
+    first = launch(x1)
+    assert launch.compiled is None  # the interpreter returns no compiled kernel
+    fake = _FakeCompiled()
+    launch.compiled, launch.specialized = fake, (first.data_ptr() % 16, 256 % 16, 40 % 16)
+    monkeypatch.setattr(tm, "driver", _FakeDriver)
+    out = launch(x2)
+    (g0, g1, g2, stream, fn, meta, _, _, _, *args), = fake.calls
+    assert (g0, g1, g2, stream, fn, meta) == (3, 1, 1, 1234, "function", "metadata")  # 16-row programs
+    assert len(args) == len(tm.mma_gemv_kernel.arg_names)
+    bound = dict(zip(tm.mma_gemv_kernel.arg_names, args))
+    assert bound["x_addr"] == x2.data_ptr() and bound["out_ptr"] is out and bound["bias_ptr"] is out
+    assert bound["w_addr"] == mw.qweight.data_ptr() and bound["s_ptr"] is mw.scales and bound["z_ptr"] is mw.zeros
+    assert (bound["M"], bound["N"], bound["K"], bound["stride_xm"], bound["stride_om"]) == (3, 40, 256, 256, 40)
+    assert (bound["ASM"], bound["CONS"]) == tm.asm_for(4, 1, False, True, 2, 1)
+    assert (bound["TILES"], bound["NW"], bound["HAS_BIAS"], bound["PDL"]) == (2, 2, False, False)
+    mma_asm(x2, mw.qweight)
+    wide = torch.full((3, 41), float("nan"), dtype=torch.float16)[:, :40]
+    launch(x2, wide)
+    assert len(fake.calls) == 1
+    ref = x2.float() @ w.t()
+    assert ((wide.float() - ref).norm() / ref.norm()) < 1e-2
+    torch.testing.assert_close(first.float(), x1.float() @ w.t(), rtol=2e-2, atol=2e-2)
+
+
+def test_dispatch_keeps_one_launch_per_layer_and_m():
+    from quantkit.kernels import dispatch
+
+    mw, _, _ = random_layer(40, 256, 4, 128, seed=6)
+    cpu = torch.device("cpu")
+    a = dispatch.gemv_launch(mw, None, 3, torch.float16, cpu)
+    assert isinstance(a, tm.GemvLaunch) and a.m == 3
+    assert dispatch.gemv_launch(mw, None, 3, torch.float16, cpu) is a
+    assert dispatch.gemv_launch(mw, None, 5, torch.float16, cpu) is not a
+    bias = torch.zeros(40, dtype=torch.float16)
+    b = dispatch.gemv_launch(mw, bias, 3, torch.float16, cpu)
+    assert b is not a and b.bias is bias
+    assert dispatch.gemv_launch(mw, None, 65, torch.float16, cpu) is None  # dequantize + cuBLAS
+    w8, _, _ = random_layer(40, 256, 8, 256, seed=7)
+    assert dispatch.gemv_launch(w8, None, 3, torch.bfloat16, cpu) is None  # not taken by the mma GEMV
