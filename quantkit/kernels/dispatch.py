@@ -5,7 +5,9 @@ buffers are repacked once into a kernel layout and kept on the layer as a plain 
 the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
   runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
-  in BENCHMARKS.md and bench/KERNELS_NOTES.md);
+  in BENCHMARKS.md and bench/KERNELS_NOTES.md). Each layer keeps its GEMV launches per M and dtype
+  (`gemv_launch`), which after the first call skip Triton's argument binding: an eager call costs
+  about a quarter of the host time it did (bench/launch_overhead.py);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
   kernel's inline PTX) the block-planar layout (triton_layout) and `TABLE`, measured by
   bench/kernel_speed.py --tune; split-K is set per call so that a launch has enough programs to fill
@@ -206,6 +208,9 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
         return torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
     p = choice.params
     if choice.method == "mma":
+        launch = gemv_launch(kw, bias, m, x2d.dtype, x2d.device, choice.params)
+        if launch is not None:
+            return launch(x2d)
         dtype = x2d.dtype
         if not triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
             x2d = x2d.half()  # e.g. bf16 activations with 8-bit weights: fp16 operands, fp32 sums
@@ -231,21 +236,25 @@ def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device) -> 
 
 
 def gemv_launch(kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, m: int, dtype: torch.dtype,
-                device: torch.device) -> triton_mma.GemvLaunch | None:
-    """The layer's kept mma GEMV launch for M rows of `dtype` activations, made at the first call (None
-    when the dispatch runs another kernel there). Kept on the kernel weights, so a layer moved to
-    another device, whose kernel weights are rebuilt, starts afresh; remade if the bias changes."""
+                device: torch.device, params: dict | None = None) -> triton_mma.GemvLaunch | None:
+    """The layer's kept mma GEMV launch for M rows of `dtype` activations with `params` (default: the
+    dispatch's choice), made at the first call; None where the mma GEMV does not run it (M > 64, a
+    dtype or layout it does not take, or the dispatch chooses another kernel). Kept on the kernel
+    weights, so a layer moved to another device, whose kernel weights are rebuilt, starts afresh;
+    remade if the bias tensor changes."""
     if not isinstance(kw, MmaWeights) or m > 64:
         return None
     launches = kw.__dict__.setdefault("launches", {})
-    launch = launches.get((m, dtype))
+    key = (m, dtype) if params is None else (m, dtype, tuple(sorted(params.items())))
+    launch = launches.get(key)
     if launch is None or (launch and launch.bias is not bias):
-        choice = choice_for(kw, m, device)
+        if params is None:
+            choice = choice_for(kw, m, device)
+            params = choice.params if choice.method == "mma" else None
         launch = False
-        if choice.method == "mma" and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1],
-                                                          dtype):
-            launch = triton_mma.GemvLaunch(kw, bias, m, device, bf16=dtype == torch.bfloat16, **choice.params)
-        launches[(m, dtype)] = launch
+        if params is not None and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
+            launch = triton_mma.GemvLaunch(kw, bias, m, device, bf16=dtype == torch.bfloat16, **params)
+        launches[key] = launch
     return launch or None
 
 

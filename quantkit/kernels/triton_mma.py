@@ -436,8 +436,8 @@ def _pairs(p, q, r, s, L: tl.constexpr):
 
 def _launch_hooks() -> bool:
     """Whether Triton launch hooks are set (a profiler's): then every launch takes Triton's front end."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)))
 
 
 class GemvLaunch:
@@ -479,13 +479,15 @@ class GemvLaunch:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] = x Wᵀ (+ bias) into `out` (allocated when None)."""
-        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        xs, xp = x.stride(), x.data_ptr()
+        if xs[1] != 1 or xs[0] % 8 or xp % 16:
             x = x.contiguous()
+            xs, xp = x.stride(), x.data_ptr()
         if out is None:
             out = torch.empty(self.m, self.n, dtype=x.dtype, device=x.device)
-        args = (x.data_ptr(), *self.weights, out if self.bias is None else self.bias, out, *self.buffers,
-                x.stride(0), out.stride(0))
-        specialized = (out.data_ptr() % 16, x.stride(0) % 16, out.stride(0) % 16)
+        out_stride = out.stride(0)
+        args = (xp, *self.weights, out if self.bias is None else self.bias, out, *self.buffers, xs[0], out_stride)
+        specialized = (out.data_ptr() % 16, xs[0] % 16, out_stride % 16)
         ck = self.compiled
         if ck is not None and specialized == self.specialized and not _launch_hooks():
             device = driver.active.get_current_device()

@@ -278,3 +278,18 @@ def test_dispatch_keeps_one_launch_per_layer_and_m():
     assert dispatch.gemv_launch(mw, None, 65, torch.float16, cpu) is None  # dequantize + cuBLAS
     w8, _, _ = random_layer(40, 256, 8, 256, seed=7)
     assert dispatch.gemv_launch(w8, None, 3, torch.bfloat16, cpu) is None  # not taken by the mma GEMV
+
+
+def test_dispatch_run_keeps_the_launch_of_an_mma_choice(mma_asm):
+    from quantkit.kernels import dispatch
+
+    mw, _, w = random_layer(24, 128, 4, 128, seed=8)
+    g = torch.Generator().manual_seed(9)
+    choice = dispatch.Choice("mma", dict(num_warps=1, tiles=1))
+    for _ in range(2):
+        x = torch.randn(5, 128, generator=g).half()
+        mma_asm(x, mw.qweight)
+        out = dispatch.run(x, mw, None, choice)
+        ref = x.float() @ w.t()
+        assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
+    assert list(mw.launches) == [(5, torch.float16, (("num_warps", 1), ("tiles", 1)))]
