@@ -40,9 +40,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
-from triton.runtime import driver
 
+from quantkit.kernels.launch import KeptKernel, compiled_form, hooks_set, run_compiled
 from quantkit.kernels.triton_gemm import _dequant_values, _zero_bias_scale
 from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, by_rows, unpack_block_planar
 from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
@@ -434,12 +433,6 @@ def _pairs(p, q, r, s, L: tl.constexpr):
     return tl.reshape(tl.join(tl.join(p, q), tl.join(r, s)), [4 * L])
 
 
-def _launch_hooks() -> bool:
-    """Whether Triton launch hooks are set (a profiler's): then every launch takes Triton's front end."""
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return bool((enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)))
-
-
 class GemvLaunch:
     """The mma GEMV of one layer for a fixed M and activation dtype, set up once: every argument but x
     and the output is worked out here (column tiles, split-K clamp, workspace, counters, the PTX).
@@ -473,6 +466,7 @@ class GemvLaunch:
         self.constexprs = dict(group_size=mw.group_size, ASM=asm, CONS=cons, BITS=mw.bits, COLS=cols, NW=num_warps,
                                TILES=tiles, HAS_BIAS=bias is not None, ROWS=rows, WR=warps_n, SPLIT=split_k > 1,
                                PDL=pdl, PREFETCH=prefetch if pdl else 0)
+        self.constexpr_values = tuple(self.constexprs.values())
         self.options = dict(num_warps=num_warps, launch_pdl=pdl, **({} if maxnreg is None else {"maxnreg": maxnreg}))
         self.compiled = None
         self.specialized = None
@@ -489,14 +483,12 @@ class GemvLaunch:
         args = (xp, *self.weights, out if self.bias is None else self.bias, out, *self.buffers, xs[0], out_stride)
         specialized = (out.data_ptr() % 16, xs[0] % 16, out_stride % 16)
         ck = self.compiled
-        if ck is not None and specialized == self.specialized and not _launch_hooks():
-            device = driver.active.get_current_device()
-            ck.run(self.grid[0], self.grid[1], 1, driver.active.get_current_stream(device), ck.function,
-                   ck.packed_metadata, None, None, None, *args, *self.constexprs.values())
+        if ck is not None and specialized == self.specialized and not hooks_set():
+            run_compiled(ck, self.grid, args + self.constexpr_values)
             return out
-        ck = mma_gemv_kernel[self.grid](*args, **self.constexprs, **self.options)
-        if self.compiled is None and all(hasattr(ck, a) for a in ("run", "function", "packed_metadata")):
-            self.compiled, self.specialized = ck, specialized  # not under the interpreter (returns None)
+        ck = compiled_form(mma_gemv_kernel[self.grid](*args, **self.constexprs, **self.options))
+        if self.compiled is None and ck is not None:  # none under the interpreter
+            self.compiled, self.specialized = ck, specialized
         return out
 
 
@@ -572,6 +564,9 @@ def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + offs_k, w, mask=ok[:, None] & (offs_k < K))
 
 
+_DEQUANT = KeptKernel(dequant_mma_kernel)
+
+
 def dequantize(mw: MmaWeights, dtype: torch.dtype, tiles: int = 2, num_warps: int = 4,
                rows: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, K] in `dtype` from the mma layout, for the dequantize-then-cuBLAS path (pure Triton: runs
@@ -590,8 +585,8 @@ def dequantize(mw: MmaWeights, dtype: torch.dtype, tiles: int = 2, num_warps: in
     if out.shape != (r1 - r0, k) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{r1 - r0}, {k}] tensor, got {tuple(out.shape)}")
     grid = (triton.cdiv(r1 - r0, 16), triton.cdiv(triton.cdiv(k, TILE_K), tiles))
-    dequant_mma_kernel[grid](mw.qweight[r0 // 16:], mw.scales[r0:r1], mw.zeros[r0:r1], out, r1 - r0, k, kw, g,
-                             group_size=mw.group_size, BITS=mw.bits, TILES=tiles, num_warps=num_warps)
+    _DEQUANT(grid, (mw.qweight[r0 // 16:], mw.scales[r0:r1], mw.zeros[r0:r1], out, r1 - r0, k, kw, g),
+             dict(group_size=mw.group_size, BITS=mw.bits, TILES=tiles), num_warps=num_warps)
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantkit.kernels import launch as launch_mod
 from quantkit.kernels import triton_mma as tm
 from mma_layers import random_layer
 from ptx_interp import Warp
@@ -243,7 +244,7 @@ def test_gemv_launch_hands_the_kernel_its_arguments_in_order(mma_asm, monkeypatc
     assert launch.compiled is None  # the interpreter returns no compiled kernel
     fake = _FakeCompiled()
     launch.compiled, launch.specialized = fake, (first.data_ptr() % 16, 256 % 16, 40 % 16)
-    monkeypatch.setattr(tm, "driver", _FakeDriver)
+    monkeypatch.setattr(launch_mod, "driver", _FakeDriver)
     out = launch(x2)
     (g0, g1, g2, stream, fn, meta, _, _, _, *args), = fake.calls
     assert (g0, g1, g2, stream, fn, meta) == (3, 1, 1, 1234, "function", "metadata")  # 16-row programs

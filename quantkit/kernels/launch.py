@@ -1,0 +1,71 @@
+"""Launching a Triton kernel again without its front end.
+
+Triton's JIT front end binds and specializes every argument on every call (alignment and divisibility
+by 16 of pointers and integers, integers equal to 1, dtypes, constexpr values) before it finds the
+compiled kernel; on the lent H200's host that is 20–60 µs per launch, more than many of our kernels
+run (bench/launch_overhead.py). After a first launch through the front end, the compiled kernel can
+be called directly, as the front end itself does, for as long as nothing it specializes on changes.
+Under TRITON_INTERPRET there is no compiled kernel; every call then takes the front end.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+
+def hooks_set() -> bool:
+    """Whether Triton launch hooks are set (a profiler's): then every launch takes the front end."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)))
+
+
+def compiled_form(result: object) -> object | None:
+    """What a front-end launch returned, if it is a compiled kernel that can be called directly."""
+    return result if all(hasattr(result, a) for a in ("run", "function", "packed_metadata")) else None
+
+
+def run_compiled(ck, grid: tuple[int, ...], args: tuple) -> None:
+    """Launch compiled kernel `ck` on the current stream with every argument of the kernel, constexprs
+    included, in its parameter order (what the front end hands it)."""
+    device = driver.active.get_current_device()
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    ck.run(grid[0], g1, g2, driver.active.get_current_stream(device), ck.function, ck.packed_metadata, None, None,
+           None, *args)
+
+
+def signature_key(args: tuple) -> tuple:
+    """What the front end specializes on in these (non-constexpr) arguments."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            key.append(("bool", a))
+        elif isinstance(a, int):
+            key.append((a % 16 == 0, a == 1, -(2**31) <= a < 2**31))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+class KeptKernel:
+    """A Triton kernel whose compiled forms are kept, keyed by what the front end specializes on; a
+    launch with a kept key calls the compiled kernel directly. `args` are the kernel's leading
+    non-constexpr parameters and `constexprs` the rest, both complete and in parameter order."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.kept: dict = {}
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+        key = (signature_key(args), tuple(constexprs.items()), tuple(sorted(options.items())))
+        ck = self.kept.get(key)
+        if ck is not None and not hooks_set():
+            run_compiled(ck, grid, args + tuple(constexprs.values()))
+            return
+        ck = compiled_form(self.fn[grid](*args, **constexprs, **options))
+        if ck is not None:
+            self.kept[key] = ck

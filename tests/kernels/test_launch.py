@@ -1,0 +1,94 @@
+"""Launching a kept compiled kernel without Triton's front end (quantkit/kernels/launch.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.kernels import launch
+
+
+class _Compiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def run(self, *args):
+        self.calls.append(("direct", args))
+
+
+class _Fn:
+    """A JIT function stand-in: `fn[grid](*args, **kwargs)` records the front-end launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.calls.append(("front end", grid, args, kwargs))
+            return _Compiled(self.calls)
+        return launch_
+
+
+class _Driver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 77)
+
+
+def test_kept_kernel_calls_the_compiled_kernel_while_the_specialization_holds(monkeypatch):
+    monkeypatch.setattr(launch, "driver", _Driver)
+    fn = _Fn()
+    kept = launch.KeptKernel(fn)
+    a, b = torch.zeros(64, dtype=torch.float16), torch.zeros(64, dtype=torch.float16)
+    kept((4, 2), (a, 4096, 7), dict(BITS=4, TILES=2), num_warps=4)
+    kept((8, 2), (b, 8192, 9), dict(BITS=4, TILES=2), num_warps=4)  # same specialization: direct
+    assert [c[0] for c in fn.calls] == ["front end", "direct"]
+    assert fn.calls[0][2:] == ((a, 4096, 7), dict(BITS=4, TILES=2, num_warps=4))
+    assert fn.calls[1][1] == (8, 2, 1, 77, "function", "metadata", None, None, None, b, 8192, 9, 4, 2)
+    kept((8, 2), (b, 8200, 9), dict(BITS=4, TILES=2), num_warps=4)  # 8200 is not a multiple of 16
+    kept((8, 2), (b[1:], 8192, 9), dict(BITS=4, TILES=2), num_warps=4)  # pointer not 16-byte aligned
+    kept((8, 2), (b, 8192, 1), dict(BITS=4, TILES=2), num_warps=4)  # an integer equal to 1
+    kept((8, 2), (b.float(), 8192, 9), dict(BITS=4, TILES=2), num_warps=4)  # another dtype
+    kept((8, 2), (b, 8192, 9), dict(BITS=8, TILES=2), num_warps=4)  # another constexpr
+    kept((8, 2), (b, 8192, 9), dict(BITS=4, TILES=2), num_warps=8)  # another option
+    assert [c[0] for c in fn.calls[2:]] == ["front end"] * 6
+    kept((8, 2), (b, 8192, 9), dict(BITS=4, TILES=2), num_warps=8)
+    assert fn.calls[-1][0] == "direct"
+
+
+def test_hooks_send_every_launch_through_the_front_end(monkeypatch):
+    monkeypatch.setattr(launch, "driver", _Driver)
+    fn = _Fn()
+    kept = launch.KeptKernel(fn)
+    t = torch.zeros(16)
+    kept((1,), (t, 32), {})
+    hook = launch.knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):
+        def on_launch(metadata):
+            return None
+
+        hook.add(on_launch)
+        try:
+            assert launch.hooks_set()
+            kept((1,), (t, 32), {})
+        finally:
+            hook.remove(on_launch)
+    else:
+        monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+        assert launch.hooks_set()
+        kept((1,), (t, 32), {})
+    assert [c[0] for c in fn.calls] == ["front end", "front end"]
+    assert not launch.hooks_set()
+    kept((1,), (t, 32), {})
+    assert fn.calls[-1][0] == "direct"
+
+
+def test_interpreted_launches_keep_nothing():
+    class Interpreted:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    kept = launch.KeptKernel(Interpreted())
+    kept((1,), (torch.zeros(4), 3), {})
+    assert kept.kept == {}
