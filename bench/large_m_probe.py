@@ -1,4 +1,4 @@
-"""Probe for M ≥ 128 (not yet run): dequantize + cuBLAS in row chunks through one reused scratch buffer.
+"""Probe for M ≥ 128: dequantize + cuBLAS in row chunks through one reused scratch buffer (run 43: never faster).
 
     PYTHONPATH=. python bench/large_m_probe.py --out DIR [--chunks 1024,2048,4096] [--ms 128,256,1024]
 
@@ -10,6 +10,9 @@ should make its round trip through L2 instead of DRAM. A chunk must still give c
 fill the GPU (M = 1024, 2048 rows: 128 tiles of 128 × 128), so M = 128–256 may lose. Prints and writes
 µs per method (CUDA-graph medians over a ring of weights) and the chunked result's error against the
 whole-weight path.
+
+Outcome (run 43, bench/KERNELS_NOTES.md item 44, bench/results/large_m_probe_run43.json): no chunk size
+beat the whole weight at any M (qkv M = 1024: 169 µs whole, 179–234 µs chunked); not integrated.
 """
 
 from __future__ import annotations

@@ -26,14 +26,19 @@ def compiled_form(result: object) -> object | None:
     return result if all(hasattr(result, a) for a in ("run", "function", "packed_metadata")) else None
 
 
-def run_compiled(ck, grid: tuple[int, ...], args: tuple) -> None:
+def run_compiled(ck, grid: tuple[int, ...], args: tuple) -> bool:
     """Launch compiled kernel `ck` on the current stream with every argument of the kernel, constexprs
-    included, in its parameter order (what the front end hands it)."""
+    included, in its parameter order (what the front end hands it). False, without launching, if the
+    launcher rejects the call (another Triton's calling convention): the caller then uses the front end."""
     device = driver.active.get_current_device()
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    ck.run(grid[0], g1, g2, driver.active.get_current_stream(device), ck.function, ck.packed_metadata, None, None,
-           None, *args)
+    try:
+        ck.run(grid[0], g1, g2, driver.active.get_current_stream(device), ck.function, ck.packed_metadata, None,
+               None, None, *args)
+    except TypeError:  # raised while parsing the arguments, before any launch
+        return False
+    return True
 
 
 def signature_key(args: tuple) -> tuple:
@@ -59,13 +64,15 @@ class KeptKernel:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.kept: dict = {}
+        self.disabled = False  # set when the launcher refused a direct call
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
         key = (signature_key(args), tuple(constexprs.items()), tuple(sorted(options.items())))
         ck = self.kept.get(key)
         if ck is not None and not hooks_set():
-            run_compiled(ck, grid, args + tuple(constexprs.values()))
-            return
+            if run_compiled(ck, grid, args + tuple(constexprs.values())):
+                return
+            self.disabled, self.kept = True, {}
         ck = compiled_form(self.fn[grid](*args, **constexprs, **options))
-        if ck is not None:
+        if ck is not None and not self.disabled:
             self.kept[key] = ck

@@ -470,6 +470,7 @@ class GemvLaunch:
         self.options = dict(num_warps=num_warps, launch_pdl=pdl, **({} if maxnreg is None else {"maxnreg": maxnreg}))
         self.compiled = None
         self.specialized = None
+        self.direct = True
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] = x Wᵀ (+ bias) into `out` (allocated when None)."""
@@ -484,11 +485,14 @@ class GemvLaunch:
         specialized = (out.data_ptr() % 16, xs[0] % 16, out_stride % 16)
         ck = self.compiled
         if ck is not None and specialized == self.specialized and not hooks_set():
-            run_compiled(ck, self.grid, args + self.constexpr_values)
-            return out
+            if run_compiled(ck, self.grid, args + self.constexpr_values):
+                return out
+            self.direct = False  # this Triton's launcher takes other arguments: front end from now on
         ck = compiled_form(mma_gemv_kernel[self.grid](*args, **self.constexprs, **self.options))
-        if self.compiled is None and ck is not None:  # none under the interpreter
+        if self.compiled is None and ck is not None and self.direct:  # none under the interpreter
             self.compiled, self.specialized = ck, specialized
+        elif not self.direct:
+            self.compiled = None
         return out
 
 

@@ -92,3 +92,29 @@ def test_interpreted_launches_keep_nothing():
     kept = launch.KeptKernel(Interpreted())
     kept((1,), (torch.zeros(4), 3), {})
     assert kept.kept == {}
+
+
+def test_a_launcher_that_refuses_the_direct_call_turns_it_off(monkeypatch):
+    """Another Triton's launcher may take other arguments: its TypeError (raised before launching)
+    sends this and every later call through the front end."""
+    monkeypatch.setattr(launch, "driver", _Driver)
+    fn = _Fn()
+
+    class Refusing(_Compiled):
+        def run(self, *args):
+            self.calls.append(("refused", args))
+            raise TypeError("function takes 14 positional arguments")
+
+    launch_ = fn.__getitem__
+
+    def getitem(grid):
+        inner = launch_(grid)
+        return lambda *a, **k: (inner(*a, **k), Refusing(fn.calls))[1]
+
+    monkeypatch.setattr(_Fn, "__getitem__", lambda self, grid: getitem(grid))
+    kept = launch.KeptKernel(fn)
+    t = torch.zeros(16)
+    for _ in range(3):
+        kept((1,), (t, 32), {})
+    assert [c[0] for c in fn.calls] == ["front end", "refused", "front end", "front end"]
+    assert kept.disabled and kept.kept == {}

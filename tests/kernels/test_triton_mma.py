@@ -294,3 +294,21 @@ def test_dispatch_run_keeps_the_launch_of_an_mma_choice(mma_asm):
         ref = x.float() @ w.t()
         assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
     assert list(mw.launches) == [(5, torch.float16, (("num_warps", 1), ("tiles", 1)))]
+
+
+def test_gemv_launch_falls_back_when_the_launcher_refuses(mma_asm, monkeypatch):
+    mw, _, w = random_layer(24, 128, 4, 128, seed=12)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(12)).half()
+    mma_asm(x, mw.qweight)
+    launch = tm.GemvLaunch(mw, None, 2, x.device, num_warps=1)
+    first = launch(x)
+
+    class Refusing(_FakeCompiled):
+        def run(self, *args):
+            raise TypeError("another calling convention")
+
+    launch.compiled, launch.specialized = Refusing(), (first.data_ptr() % 16, 128 % 16, 24 % 16)
+    monkeypatch.setattr(launch_mod, "driver", _FakeDriver)
+    out = launch(x)
+    assert not launch.direct and launch.compiled is None
+    torch.testing.assert_close(out, first, rtol=0, atol=0)
