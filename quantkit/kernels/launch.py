@@ -42,37 +42,34 @@ def run_compiled(ck, grid: tuple[int, ...], args: tuple) -> bool:
 
 
 def signature_key(args: tuple) -> tuple:
-    """What the front end specializes on in these (non-constexpr) arguments."""
-    key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, bool):
-            key.append(("bool", a))
-        elif isinstance(a, int):
-            key.append((a % 16 == 0, a == 1, -(2**31) <= a < 2**31))
-        else:
-            key.append(type(a))
-    return tuple(key)
+    """A key that changes whenever the front end could specialize these arguments differently: tensors
+    by dtype and 16-byte alignment, everything else (integers, constexprs, strings) by value. Integers
+    go in whole rather than by the front end's classes (divisible by 16, equal to 1, 32 or 64 bits), so
+    a constexpr can never be mistaken for an argument; a new size costs one more front-end launch."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 class KeptKernel:
-    """A Triton kernel whose compiled forms are kept, keyed by what the front end specializes on; a
-    launch with a kept key calls the compiled kernel directly. `args` are the kernel's leading
-    non-constexpr parameters and `constexprs` the rest, both complete and in parameter order."""
+    """A Triton kernel whose compiled forms are kept, keyed by `signature_key` of its arguments and the
+    launch options; a launch with a kept key calls the compiled kernel directly. `args` are all the
+    kernel's parameters, constexprs included, in parameter order."""
+
+    MAX_KEPT = 4096  # distinct keys kept (each holds a reference to a compiled kernel, not a copy)
 
     def __init__(self, fn) -> None:
         self.fn = fn
         self.kept: dict = {}
         self.disabled = False  # set when the launcher refused a direct call
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
-        key = (signature_key(args), tuple(constexprs.items()), tuple(sorted(options.items())))
+    def __call__(self, grid: tuple[int, ...], args: tuple, **options) -> None:
+        key = (signature_key(args), tuple(sorted(options.items())))
         ck = self.kept.get(key)
         if ck is not None and not hooks_set():
-            if run_compiled(ck, grid, args + tuple(constexprs.values())):
+            if run_compiled(ck, grid, args):
                 return
             self.disabled, self.kept = True, {}
-        ck = compiled_form(self.fn[grid](*args, **constexprs, **options))
+        ck = compiled_form(self.fn[grid](*args, **options))
         if ck is not None and not self.disabled:
+            if len(self.kept) >= self.MAX_KEPT:
+                self.kept.clear()
             self.kept[key] = ck

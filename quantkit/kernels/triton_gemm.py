@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.launch import KeptKernel
 from quantkit.kernels.triton_layout import KernelWeights
 from quantkit.kernels.triton_splitk import launch_buffers, store_tile
 
@@ -161,6 +162,9 @@ def dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, K8, G, group_size: tl.con
     tl.store(rows + offs_k[None, :, :], w, mask=ok & (offs_k < K)[None, :, :])
 
 
+_GEMM = KeptKernel(gemm_kernel)
+
+
 def gemm(
     x: torch.Tensor,
     kw: KernelWeights,
@@ -179,14 +183,15 @@ def gemm(
     tiles = triton.cdiv(x.shape[0], block_m) * triton.cdiv(kw.out_features, block_n)
     x, out, split_k, ws, cnt = launch_buffers(x, kw, out, split_k, blocks, tiles)
     m, k = x.shape
-    gemm_kernel[(tiles, split_k)](
+    _GEMM((tiles, split_k), (  # every parameter of gemm_kernel, in order
         x, kw.qweight, kw.scales, kw.zeros, bias if bias is not None else out, out, ws, cnt,
         m, kw.out_features, k, kw.qweight.shape[1], kw.scales.shape[1], x.stride(0), out.stride(0),
-        group_size=kw.group_size,
-        BITS=kw.bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k, SPLIT=split_k > 1,
-        HAS_BIAS=bias is not None, SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages,
-    )
+        kw.group_size, kw.bits, block_m, block_n, blocks, split_k, split_k > 1, bias is not None, swap_ab,
+    ), num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+_DEQUANT = KeptKernel(dequant_kernel)
 
 
 def dequantize(kw: KernelWeights, dtype: torch.dtype, block_n: int = 32, blocks: int = 16) -> torch.Tensor:
@@ -195,6 +200,6 @@ def dequantize(kw: KernelWeights, dtype: torch.dtype, block_n: int = 32, blocks:
     k8, g = kw.qweight.shape[1], kw.scales.shape[1]
     out = torch.empty(n, k, dtype=dtype, device=kw.qweight.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(k8, 4 * blocks))
-    dequant_kernel[grid](kw.qweight, kw.scales, kw.zeros, out, n, k, k8, g, group_size=kw.group_size,
-                         BITS=kw.bits, BLOCK_N=block_n, BLOCKS=blocks, num_warps=4)
+    _DEQUANT(grid, (kw.qweight, kw.scales, kw.zeros, out, n, k, k8, g, kw.group_size, kw.bits, block_n, blocks),
+             num_warps=4)
     return out

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantkit.kernels.launch import KeptKernel
 from quantkit.kernels.triton_layout import KernelWeights
 from quantkit.kernels.triton_splitk import launch_buffers, store_tile
 
@@ -96,6 +97,9 @@ def gemv_kernel(
                tile_id, pid_k, SPLIT_K, SPLIT, HAS_BIAS)
 
 
+_GEMV = KeptKernel(gemv_kernel)
+
+
 def gemv(
     x: torch.Tensor,
     kw: KernelWeights,
@@ -113,12 +117,9 @@ def gemv(
     n_tiles = triton.cdiv(kw.out_features, block_n)
     x, out, split_k, ws, cnt = launch_buffers(x, kw, out, split_k, blocks, x.shape[0] * n_tiles)
     m, k = x.shape
-    gemv_kernel[(m, n_tiles, split_k)](
+    _GEMV((m, n_tiles, split_k), (  # every parameter of gemv_kernel, in order
         x, kw.qweight, kw.scales, kw.zeros, bias if bias is not None else out, out, ws, cnt,
         m, kw.out_features, k, kw.qweight.shape[1], kw.scales.shape[1], x.stride(0), out.stride(0),
-        group_size=kw.group_size,
-        BITS=kw.bits, BLOCK_N=block_n, BLOCKS=blocks, SPLIT_K=split_k, SPLIT=split_k > 1,
-        HAS_BIAS=bias is not None, DENORMAL=denormal, NUM_STAGES=num_stages, num_warps=num_warps,
-        num_stages=num_stages,
-    )
+        kw.group_size, kw.bits, block_n, blocks, split_k, split_k > 1, bias is not None, denormal, num_stages,
+    ), num_warps=num_warps, num_stages=num_stages)
     return out

@@ -589,8 +589,8 @@ def dequantize(mw: MmaWeights, dtype: torch.dtype, tiles: int = 2, num_warps: in
     if out.shape != (r1 - r0, k) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{r1 - r0}, {k}] tensor, got {tuple(out.shape)}")
     grid = (triton.cdiv(r1 - r0, 16), triton.cdiv(triton.cdiv(k, TILE_K), tiles))
-    _DEQUANT(grid, (mw.qweight[r0 // 16:], mw.scales[r0:r1], mw.zeros[r0:r1], out, r1 - r0, k, kw, g),
-             dict(group_size=mw.group_size, BITS=mw.bits, TILES=tiles), num_warps=num_warps)
+    _DEQUANT(grid, (mw.qweight[r0 // 16:], mw.scales[r0:r1], mw.zeros[r0:r1], out, r1 - r0, k, kw, g,
+                    mw.group_size, mw.bits, tiles), num_warps=num_warps)
     return out
 
 

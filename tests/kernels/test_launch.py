@@ -41,20 +41,26 @@ def test_kept_kernel_calls_the_compiled_kernel_while_the_specialization_holds(mo
     fn = _Fn()
     kept = launch.KeptKernel(fn)
     a, b = torch.zeros(64, dtype=torch.float16), torch.zeros(64, dtype=torch.float16)
-    kept((4, 2), (a, 4096, 7), dict(BITS=4, TILES=2), num_warps=4)
-    kept((8, 2), (b, 8192, 9), dict(BITS=4, TILES=2), num_warps=4)  # same specialization: direct
+    kept((4, 2), (a, 4096, 7, 4, 2), num_warps=4)
+    kept((8, 2), (b, 4096, 7, 4, 2), num_warps=4)  # another tensor, same dtype and alignment: direct
     assert [c[0] for c in fn.calls] == ["front end", "direct"]
-    assert fn.calls[0][2:] == ((a, 4096, 7), dict(BITS=4, TILES=2, num_warps=4))
-    assert fn.calls[1][1] == (8, 2, 1, 77, "function", "metadata", None, None, None, b, 8192, 9, 4, 2)
-    kept((8, 2), (b, 8200, 9), dict(BITS=4, TILES=2), num_warps=4)  # 8200 is not a multiple of 16
-    kept((8, 2), (b[1:], 8192, 9), dict(BITS=4, TILES=2), num_warps=4)  # pointer not 16-byte aligned
-    kept((8, 2), (b, 8192, 1), dict(BITS=4, TILES=2), num_warps=4)  # an integer equal to 1
-    kept((8, 2), (b.float(), 8192, 9), dict(BITS=4, TILES=2), num_warps=4)  # another dtype
-    kept((8, 2), (b, 8192, 9), dict(BITS=8, TILES=2), num_warps=4)  # another constexpr
-    kept((8, 2), (b, 8192, 9), dict(BITS=4, TILES=2), num_warps=8)  # another option
-    assert [c[0] for c in fn.calls[2:]] == ["front end"] * 6
-    kept((8, 2), (b, 8192, 9), dict(BITS=4, TILES=2), num_warps=8)
-    assert fn.calls[-1][0] == "direct"
+    assert fn.calls[0][2:] == ((a, 4096, 7, 4, 2), dict(num_warps=4))
+    assert fn.calls[1][1] == (8, 2, 1, 77, "function", "metadata", None, None, None, b, 4096, 7, 4, 2)
+    kept((8, 2), (b, 8192, 7, 4, 2), num_warps=4)  # another size
+    kept((8, 2), (b[1:], 4096, 7, 4, 2), num_warps=4)  # pointer not 16-byte aligned
+    kept((8, 2), (b.float(), 4096, 7, 4, 2), num_warps=4)  # another dtype
+    kept((8, 2), (b, 4096, 7, 8, 2), num_warps=4)  # another constexpr value
+    kept((8, 2), (b, 4096, 7, 4, 2), num_warps=8)  # another option
+    assert [c[0] for c in fn.calls[2:]] == ["front end"] * 5
+    kept((8, 2), (b, 4096, 7, 4, 2), num_warps=8)
+    kept((8, 2), (a, 8192, 7, 4, 2), num_warps=4)
+    assert [c[0] for c in fn.calls[-2:]] == ["direct", "direct"]
+
+
+def test_constexprs_that_look_alike_are_not_confused():
+    """16 and 32 are both multiples of 16: as a block size they must still select different kernels."""
+    assert launch.signature_key((torch.zeros(4), 16)) != launch.signature_key((torch.zeros(4), 32))
+    assert launch.signature_key((torch.zeros(4), True)) != launch.signature_key((torch.zeros(4), False))
 
 
 def test_hooks_send_every_launch_through_the_front_end(monkeypatch):
@@ -62,7 +68,7 @@ def test_hooks_send_every_launch_through_the_front_end(monkeypatch):
     fn = _Fn()
     kept = launch.KeptKernel(fn)
     t = torch.zeros(16)
-    kept((1,), (t, 32), {})
+    kept((1,), (t, 32))
     hook = launch.knobs.runtime.launch_enter_hook
     if hasattr(hook, "add"):
         def on_launch(metadata):
@@ -71,16 +77,16 @@ def test_hooks_send_every_launch_through_the_front_end(monkeypatch):
         hook.add(on_launch)
         try:
             assert launch.hooks_set()
-            kept((1,), (t, 32), {})
+            kept((1,), (t, 32))
         finally:
             hook.remove(on_launch)
     else:
         monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", lambda metadata: None)
         assert launch.hooks_set()
-        kept((1,), (t, 32), {})
+        kept((1,), (t, 32))
     assert [c[0] for c in fn.calls] == ["front end", "front end"]
     assert not launch.hooks_set()
-    kept((1,), (t, 32), {})
+    kept((1,), (t, 32))
     assert fn.calls[-1][0] == "direct"
 
 
@@ -90,7 +96,7 @@ def test_interpreted_launches_keep_nothing():
             return lambda *args, **kwargs: None
 
     kept = launch.KeptKernel(Interpreted())
-    kept((1,), (torch.zeros(4), 3), {})
+    kept((1,), (torch.zeros(4), 3))
     assert kept.kept == {}
 
 
@@ -115,6 +121,6 @@ def test_a_launcher_that_refuses_the_direct_call_turns_it_off(monkeypatch):
     kept = launch.KeptKernel(fn)
     t = torch.zeros(16)
     for _ in range(3):
-        kept((1,), (t, 32), {})
+        kept((1,), (t, 32))
     assert [c[0] for c in fn.calls] == ["front end", "refused", "front end", "front end"]
     assert kept.disabled and kept.kept == {}
