@@ -99,7 +99,10 @@ def main() -> None:
     w16 = torch.randn(n, k, device="cuda", dtype=torch.float16)
     layer(x)
     kw = layer._kernel_weights
-    print(f"check: {check(layer)} failures", flush=True)
+    failures = check(layer)
+    print(f"check: {failures} failures", flush=True)
+    if failures:
+        raise SystemExit(1)
     launch = triton_mma.GemvLaunch(kw, None, 1, x.device, **dispatch.choice_for(kw, 1, x.device).params)
     choice = dispatch.choice_for(kw, 1, x.device)
     out = torch.empty(1, n, device="cuda", dtype=torch.float16)
