@@ -37,7 +37,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         ids = torch.randint(3, 32000, (batch, 32), device="cuda")
         for name, model in (("fp16", fp16_model), ("w4", qmodel)):
-            def run(m=model):
+            def run(m=model, ids=ids):
                 with torch.inference_mode():
                     return m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
                                       min_new_tokens=args.new, do_sample=False, pad_token_id=0)
