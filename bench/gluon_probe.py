@@ -23,7 +23,9 @@ of weights, after a correctness check against the fp32 reference on NaN-poisoned
 Outcome (runs 51–52, bench/KERNELS_NOTES.md items 51–52): correct at once (0 failures, worst 2.9e-4);
 at M = 64 faster than the dispatch's GEMV on gate_up (52.5 vs 73.3 µs, 0.99× fp16) and level on qkv
 (35.2 vs 36.7), slower on the narrow layers (64 programs for N = 4096) and 2–3× slower than fp16 from
-M = 256 (every x tile dequantizes the weights again). Not integrated.
+M = 256 (every x tile dequantizes the weights again). Not integrated. Written against Triton 3.6's
+Gluon (the lent GPU's); Gluon is experimental and moves: Triton 3.9 (the CPU machines') renamed
+`async_copy.async_copy_global_to_shared` to `async_load`, so this file compiles with 3.6 only.
 """
 
 from __future__ import annotations
