@@ -458,6 +458,7 @@ class GemvLaunch:
         split_k = clamp_split(max(1, min(split_k, triton.cdiv(k, TILE_K))), m, n)
         programs = triton.cdiv(n, 16 * rows * warps_n)
         self.m, self.n, self.bias = m, n, bias
+        self.dtype = torch.bfloat16 if bf16 else torch.float16  # of x and the output
         self.grid = (programs, split_k)
         self.weights = (mw.qweight.data_ptr(), mw.scales, mw.zeros)
         ws, cnt = workspace(split_k, m, n, device), counters(device, programs * rows * cols)
@@ -474,6 +475,9 @@ class GemvLaunch:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] = x Wᵀ (+ bias) into `out` (allocated when None)."""
+        if x.dtype != self.dtype or (out is not None and out.dtype != self.dtype):
+            raise ValueError(f"this launch was set up for {self.dtype} x and output, got {x.dtype}"
+                             + ("" if out is None else f" and {out.dtype}"))
         xs, xp = x.stride(), x.data_ptr()
         if xs[1] != 1 or xs[0] % 8 or xp % 16:
             x = x.contiguous()

@@ -259,6 +259,8 @@ def test_gemv_launch_hands_the_kernel_its_arguments_in_order(mma_asm, monkeypatc
     wide = torch.full((3, 41), float("nan"), dtype=torch.float16)[:, :40]
     launch(x2, wide)
     assert len(fake.calls) == 1
+    with pytest.raises(ValueError, match="set up for torch.float16"):
+        launch(x2.bfloat16())
     ref = x2.float() @ w.t()
     assert ((wide.float() - ref).norm() / ref.norm()) < 1e-2
     torch.testing.assert_close(first.float(), x1.float() @ w.t(), rtol=2e-2, atol=2e-2)
