@@ -176,7 +176,8 @@ def gemm(x: torch.Tensor, mw, bm: int = 64, out: torch.Tensor | None = None, sta
 
 # BM, stages, split, rows, one barrier — run 52's best first, then the variants of run 53
 CONFIGS = [(64, 4, 1, 64, False), (64, 5, 1, 64, True), (64, 6, 1, 64, True), (64, 5, 1, 128, True),
-           (32, 6, 1, 64, True), (32, 6, 1, 128, True), (128, 4, 1, 128, True), (64, 5, 2, 64, True)]
+           (32, 6, 1, 64, True), (32, 6, 1, 128, True), (128, 4, 1, 128, True), (256, 3, 1, 128, False),
+           (64, 5, 2, 64, True)]
 
 
 def main() -> None:
