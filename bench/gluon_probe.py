@@ -51,13 +51,62 @@ def _value(w, o: gl.constexpr, zb, s):
     return (q.to(gl.int16).to(gl.float16, bitcast=True) - zb) * s
 
 
+# The eight values of a word in fp16 pairs, as the GEMV's asm makes them (triton_mma._asm): one lop3
+# puts nibbles p and p + 4 under the exponent of 1024 (odd p in place, reading 1024 + 16·q); an fma
+# takes 1024 + z off (odd p: scales by 1/16 and takes 64 + z off), exact; an fma by the scale
+# (c = −0: a plain product). Pairs (o, o + 1) for o = 0, 2, 4, 6 come from nibbles 0/4, 2/6, 1/5,
+# 3/7. Inputs: the word, −(1024 + z), −(64 + z) and s as fp16 pairs; outputs: values o = 0 … 7.
+DEQ_ASM = gl.constexpr("""{
+.reg .b32 p, q, one, sixteenth, nzero;
+mov.b32 one, 0x3C003C00;
+mov.b32 sixteenth, 0x2C002C00;
+mov.b32 nzero, 0x80008000;
+lop3.b32 p, $8, 0x000F000F, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, one, $9;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$0, $1}, p;
+shr.b32 q, $8, 8;
+lop3.b32 p, q, 0x000F000F, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, one, $9;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$2, $3}, p;
+lop3.b32 p, $8, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, sixteenth, $10;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$4, $5}, p;
+lop3.b32 p, q, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, sixteenth, $10;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$6, $7}, p;
+}""")
+DEQ_CONS = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r")
+
+
 @gluon.jit
-def _a_operand(w, zb, s, a_l: gl.constexpr, ROWS: gl.constexpr):
-    """[ROWS, 16] words → the [ROWS, 128] wgmma A operand in dot order (no data movement)."""
-    e0 = gl.join(_value(w, 0, zb, s), _value(w, 1, zb, s))
-    e1 = gl.join(_value(w, 2, zb, s), _value(w, 3, zb, s))
-    e2 = gl.join(_value(w, 4, zb, s), _value(w, 5, zb, s))
-    e3 = gl.join(_value(w, 6, zb, s), _value(w, 7, zb, s))
+def _pair_bits(v):
+    """fp16 values as int32 words holding them in both halves."""
+    b = v.to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@gluon.jit
+def _a_operand(w, zb, s, a_l: gl.constexpr, ROWS: gl.constexpr, DEQ: gl.constexpr = False, z=None):
+    """[ROWS, 16] words → the [ROWS, 128] wgmma A operand in dot order (no data movement). DEQ: the
+    values come from DEQ_ASM (z: the zero points, int32 [ROWS, 1]); else from plain Gluon arithmetic."""
+    if DEQ:
+        q = gl.inline_asm_elementwise(
+            DEQ_ASM, DEQ_CONS,
+            [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(-(z + 64).to(gl.float32)), _pair_bits(s)],
+            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        e0 = gl.join(q[0], q[1])
+        e1 = gl.join(q[2], q[3])
+        e2 = gl.join(q[4], q[5])
+        e3 = gl.join(q[6], q[7])
+    else:
+        e0 = gl.join(_value(w, 0, zb, s), _value(w, 1, zb, s))
+        e1 = gl.join(_value(w, 2, zb, s), _value(w, 3, zb, s))
+        e2 = gl.join(_value(w, 4, zb, s), _value(w, 5, zb, s))
+        e3 = gl.join(_value(w, 6, zb, s), _value(w, 7, zb, s))
     v = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [64, 16, e, i, h]
     v = gl.reshape(v, [ROWS, 2, 2, 2, 2, 2, 2, 2])  # rows, t1 t0 c1 c0, e i h
     v = gl.permute(v, (0, 3, 4, 7, 6, 1, 2, 5))  # rows, c1 c0 h i t1 t0 e
@@ -67,7 +116,7 @@ def _a_operand(w, zb, s, a_l: gl.constexpr, ROWS: gl.constexpr):
 @gluon.jit
 def gluon_w4_gemm(w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, M, N, KT, KW, G, group_size: gl.constexpr,
                   BM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr,
-                  ONE_BARRIER: gl.constexpr):
+                  ONE_BARRIER: gl.constexpr, DEQ: gl.constexpr = False):
     """yᵀ [ROWS weight rows, BM x rows] per program; ROWS = 64 (4 warps, one warpgroup) or 128 (8 warps,
     two warpgroups sharing each x tile). ONE_BARRIER: refill the slot freed two steps back right after
     the step's only barrier (lookahead STAGES − 2 tiles) instead of a second barrier per step."""
@@ -111,7 +160,8 @@ def gluon_w4_gemm(w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, M, N, KT, KW, G, group_si
         i = t - k0
         gi = gl.minimum(t * 128 // group_size, G - 1)
         s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
-        zb = (gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32) + 1024).to(gl.float16)[:, None]
+        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        zb = (z + 1024).to(gl.float16)
         async_copy.wait_group(AHEAD - 1)  # this thread's copies of tile t have landed
         gl.thread_barrier()  # … and every thread's; every warp is past step i − 1's wgmma wait
         if ONE_BARRIER:  # so step i − 2's wgmma is done and its slot may be refilled
@@ -121,7 +171,7 @@ def gluon_w4_gemm(w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, M, N, KT, KW, G, group_si
             async_copy.async_copy_global_to_shared(wbuf.index(slot), w_rows + kt * 256)
             async_copy.commit_group()
         w = wbuf.index(i % STAGES).load(words_l)
-        a = _a_operand(w, zb, s, a_l, ROWS)
+        a = _a_operand(w, zb, s, a_l, ROWS, DEQ, z)
         fence_async_shared()
         acc = warpgroup_mma(a, xbuf.index(i % STAGES).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # tile t − 1's wgmma is done
@@ -155,7 +205,7 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, mw, bm: int = 64, out: torch.Tensor | None = None, stages: int = 4,
-         split: int = 1, rows: int = 64, one_barrier: bool = False) -> torch.Tensor:
+         split: int = 1, rows: int = 64, one_barrier: bool = False, deq: bool = False) -> torch.Tensor:
     """y = x Wᵀ for W4 weights in the mma layout (group size a multiple of 128); `split` programs share
     each output tile's K (fp32 atomics into a zeroed buffer, then one conversion)."""
     m = x.shape[0]
@@ -168,16 +218,52 @@ def gemm(x: torch.Tensor, mw, bm: int = 64, out: torch.Tensor | None = None, sta
     grid = (triton.cdiv(n, rows), triton.cdiv(m, bm), split)
     gluon_w4_gemm[grid](mw.qweight, mw.scales, mw.zeros, xp, dst, m, n, kt, mw.qweight.shape[1], mw.scales.shape[1],
                         group_size=mw.group_size, BM=bm, STAGES=stages, SPLIT=split, ROWS=rows,
-                        ONE_BARRIER=one_barrier, num_warps=rows // 16)
+                        ONE_BARRIER=one_barrier, DEQ=deq, num_warps=rows // 16)
     if split > 1:
         out.copy_(dst)
     return out
 
 
-# BM, stages, split, rows, one barrier — run 52's best first, then the variants of run 53
-CONFIGS = [(64, 4, 1, 64, False), (64, 5, 1, 64, True), (64, 6, 1, 64, True), (64, 5, 1, 128, True),
-           (32, 6, 1, 64, True), (32, 6, 1, 128, True), (128, 4, 1, 128, True), (256, 3, 1, 128, False),
-           (64, 5, 2, 64, True)]
+# BM, stages, split, rows, one barrier, asm dequantization — run 52's best first, then the variants
+# queued for the next GPU run (bench/KERNELS_NOTES.md, item 53)
+CONFIGS = [(64, 4, 1, 64, False, False), (64, 5, 1, 64, True, False), (64, 5, 1, 64, True, True),
+           (64, 6, 1, 64, True, True), (64, 5, 1, 128, True, False), (64, 5, 1, 128, True, True),
+           (32, 6, 1, 64, True, True), (32, 6, 1, 128, True, True), (128, 4, 1, 128, True, True),
+           (256, 3, 1, 128, False, True), (64, 5, 2, 64, True, True)]
+
+
+def cpu_check() -> int:
+    """DEQ_ASM run by the CPU tests' PTX interpreter (tests/ptx_interp.py) on every nibble value and
+    zero point, against (q − z) · s rounded to fp16 once; returns the number of mismatches."""
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from ptx_interp import Warp, f2h, h2f
+
+    def pair(v: float) -> int:
+        b = f2h(v, False)
+        return b | (b << 16)
+
+    order = (0, 4, 2, 6, 1, 5, 3, 7)  # nibble p holds input offset order[p]
+    rng = np.random.default_rng(0)
+    bad = 0
+    for z in range(16):
+        s = float(np.float16(rng.uniform(0.001, 0.02)))
+        lanes = []
+        for lane in range(32):
+            qs = [int(v) for v in rng.integers(0, 16, 8)]
+            word = sum(qs[p] << (4 * p) for p in range(8))
+            lanes.append((qs, [word, pair(-(1024.0 + z)), pair(-(64.0 + z)), pair(s)]))
+        out = Warp(DEQ_ASM.value, [args for _, args in lanes], {}, False, first_input=8).run()
+        for (qs, _), res in zip(lanes, out):
+            for p in range(8):
+                want = float(np.float16((qs[p] - z) * s))
+                got = h2f(res[order[p]], False)
+                bad += got != want
+    print(f"cpu check of DEQ_ASM: 16 zero points × 32 words × 8 values, {bad} mismatches", flush=True)
+    return bad
 
 
 def main() -> None:
@@ -188,19 +274,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="16,32,64,128,256,1024", help="rows of x")
     ap.add_argument("--out", type=Path, default=None, help="directory for gluon_probe.json")
+    ap.add_argument("--cpu-check", action="store_true",
+                    help="only check DEQ_ASM's arithmetic with the CPU tests' PTX interpreter (no GPU)")
     args = ap.parse_args()
+    if args.cpu_check:
+        raise SystemExit(1 if cpu_check() else 0)
     ms = [int(v) for v in args.ms.split(",")]
     fails, worst = 0, 0.0
     mw = random_mw(4096, 1000, 4, 128)
     for m in (1, 77, 300):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
         ref = reference(x, mw, None)
-        for bm, st, sp, rw, ob in CONFIGS:
+        for cfg in CONFIGS:
             out = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.float16)
             try:
-                err = rel_err(gemm(x, mw, bm, out, st, sp, rw, ob).float(), ref)
+                err = rel_err(gemm(x, mw, cfg[0], out, *cfg[1:]).float(), ref)
             except Exception as exc:  # report and go on: this is a probe
-                print(f"check M={m} cfg={(bm, st, sp, rw, ob)}: {exc!r}"[:300], flush=True)
+                print(f"check M={m} cfg={cfg}: {exc!r}"[:300], flush=True)
                 err = float("inf")
             fails += not err <= 1e-2
             worst = max(worst, err)

@@ -75,6 +75,11 @@ class Warp:
             for i, name in enumerate(dst.split(",")):
                 r[name.strip()] = self.memory[addr + 4 * i]
             return
+        if op.startswith("mov.") and rest.startswith("{"):  # unpack: mov.b32 {lo, hi}, src
+            dst, src = re.fullmatch(r"\{([^}]*)\},\s*(\S+)", rest).groups()
+            lo, hi = (d.strip() for d in dst.split(","))
+            r[lo], r[hi] = v(src) & 0xFFFF, (v(src) >> 16) & 0xFFFF
+            return
         args = [a.strip() for a in rest.split(",")]
         if op == "setp.gt.s32":
             r[args[0]] = v(args[1]) > v(args[2])
