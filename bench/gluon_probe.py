@@ -40,7 +40,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 
 @gluon.jit
@@ -194,6 +194,98 @@ def gluon_w4_gemm(w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, M, N, KT, KW, G, group_si
         gl.atomic_add(ptrs, acc, mask=omask)
 
 
+@gluon.jit
+def gluon_w4_gemm_tma(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, KT, G, group_size: gl.constexpr,
+                      BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, DEQ: gl.constexpr):
+    """The same product with TMA copies into the ring, completion on one mbarrier per slot. A TMA write is
+    visible to wgmma (async proxy) and to ordinary loads once its mbarrier phase completes, so the
+    wgmma needs no proxy fence after the copies (the cp.async form fences before every wgmma, a MEMBAR
+    that may wait for its copies still in flight), and no thread computes copy addresses. The explicit
+    barrier: every warp is past its wgmma wait before the slot of step t − 1 is refilled. (Compiled
+    here: Triton adds a proxy fence before the TMA that rewrites a slot whose words were read by
+    ordinary loads, and three more barriers per step; 95 registers at BM = 64.)"""
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    NWARP: gl.constexpr = ROWS // 16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NWARP, 1], instr_shape=[16, BM, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    if ROWS == 64:
+        words_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
+    else:
+        words_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 16])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
+    rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
+    row_ok = rows < N
+    xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BM, 128], x_desc.layout)
+    wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, 256], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+    BYTES: gl.constexpr = BM * 128 * 2 + ROWS * 16 * 4
+    for j in gl.static_range(STAGES - 1):  # tiles 0 … STAGES − 2
+        mbarrier.expect(ready.index(j), BYTES, pred=j < KT)
+        tma.async_copy_global_to_shared(x_desc, [pid_m * BM, j * 128], ready.index(j), xbuf.index(j), pred=j < KT)
+        tma.async_copy_global_to_shared(w_desc, [pid_n * (ROWS // 16), j * 256], ready.index(j), wbuf.index(j),
+                                        pred=j < KT)
+    acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
+    for t in range(KT):
+        slot = t % STAGES
+        gi = gl.minimum(t * 128 // group_size, G - 1)
+        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
+        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        zb = (z + 1024).to(gl.float16)
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        w = wbuf.index(slot)._reinterpret(gl.int32, [ROWS, 16], plain).load(words_l)
+        a = _a_operand(w, zb, s, a_l, ROWS, DEQ, z)
+        acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # step t − 1's wgmma is done
+        gl.thread_barrier()  # … in every warp, and every warp has read its words of slot t − 1
+        nt = t + STAGES - 1  # into the slot of step t − 1
+        ns = nt % STAGES
+        mbarrier.expect(ready.index(ns), BYTES, pred=nt < KT)
+        tma.async_copy_global_to_shared(x_desc, [pid_m * BM, nt * 128], ready.index(ns), xbuf.index(ns), pred=nt < KT)
+        tma.async_copy_global_to_shared(w_desc, [pid_n * (ROWS // 16), nt * 256], ready.index(ns), wbuf.index(ns),
+                                        pred=nt < KT)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+    orow = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    ocol = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+    ptrs = out_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None]
+    gl.store(ptrs, acc.to(gl.float16), mask=(orow < N)[:, None] & (ocol < M)[None, :])
+
+
+def tma_layouts():
+    """(x tile, word tile) shared layouts of the TMA kernel: x 128-byte swizzled for wgmma, the words
+    unswizzled (a [row tiles, 256] box is then the [rows, 16] word tile, row-major)."""
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return x_layout, w_layout
+
+
+def gemm_tma(x: torch.Tensor, mw, bm: int = 64, stages: int = 4, rows: int = 64, deq: bool = True,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemm` through gluon_w4_gemm_tma (host-side TMA descriptors over permuted x and the words)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, n = x.shape[0], mw.out_features
+    xp = permute_x(x)
+    kt = xp.shape[1] // 128
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    x_layout, w_layout = tma_layouts()
+    x_desc = TensorDescriptor.from_tensor(xp, [bm, 128], x_layout)
+    w_desc = TensorDescriptor.from_tensor(mw.qweight, [rows // 16, 256], w_layout)
+    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm))
+    gluon_w4_gemm_tma[grid](x_desc, w_desc, mw.scales, mw.zeros, out, m, n, kt, mw.scales.shape[1],
+                            group_size=mw.group_size, BM=bm, STAGES=stages, ROWS=rows, DEQ=deq, num_warps=rows // 16)
+    return out
+
+
 def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] → [M, KT·128] fp16 with each 128-input tile in dot order (c1 c0 h i t1 t0 e), zero-padded."""
     m, k = x.shape
@@ -221,6 +313,18 @@ def gemm(x: torch.Tensor, mw, bm: int = 64, out: torch.Tensor | None = None, sta
                         ONE_BARRIER=one_barrier, DEQ=deq, num_warps=rows // 16)
     if split > 1:
         out.copy_(dst)
+    return out
+
+
+# TMA form (gluon_w4_gemm_tma): BM, stages, rows, asm dequantization
+TMA_CONFIGS = [(64, 4, 64, True), (64, 5, 64, True), (64, 4, 128, True), (32, 6, 64, True), (128, 4, 128, True),
+               (256, 3, 128, True), (64, 4, 64, False)]
+
+
+def _variants():
+    """(label, fn(x, mw, out)) for every configuration of both forms."""
+    out = [(str(cfg), lambda x, mw, o, cfg=cfg: gemm(x, mw, cfg[0], o, *cfg[1:])) for cfg in CONFIGS]
+    out += [(f"tma{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, out=o)) for cfg in TMA_CONFIGS]
     return out
 
 
@@ -285,16 +389,16 @@ def main() -> None:
     for m in (1, 77, 300):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
         ref = reference(x, mw, None)
-        for cfg in CONFIGS:
+        for label, fn in _variants():
             out = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.float16)
             try:
-                err = rel_err(gemm(x, mw, cfg[0], out, *cfg[1:]).float(), ref)
+                err = rel_err(fn(x, mw, out).float(), ref)
             except Exception as exc:  # report and go on: this is a probe
-                print(f"check M={m} cfg={cfg}: {exc!r}"[:300], flush=True)
+                print(f"check M={m} {label}: {exc!r}"[:300], flush=True)
                 err = float("inf")
             fails += not err <= 1e-2
             worst = max(worst, err)
-    print(f"check: {3 * len(CONFIGS)} cases, {fails} failures, worst {worst:.2e}", flush=True)
+    print(f"check: {3 * len(_variants())} cases, {fails} failures, worst {worst:.2e}", flush=True)
     rows = []
     for bits, _, shape, k, n, ring, fp16 in _rings([(4, ms)]):
         for m in ms:
@@ -302,23 +406,23 @@ def main() -> None:
             row = {"shape": shape, "m": m, "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16])}
             choice = dispatch.choice_for(ring[0], m, x.device)
             row["dispatch_us"] = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
-            for cfg in CONFIGS:
+            for label, fn in _variants():
                 try:
-                    row[str(cfg)] = graph_us([lambda mw=mw, cfg=cfg: gemm(x, mw, cfg[0], None, *cfg[1:])
-                                              for mw in ring])
+                    row[label] = graph_us([lambda mw=mw, fn=fn: fn(x, mw, None) for mw in ring])
                 except Exception as exc:
-                    row[str(cfg)] = float("nan")
-                    print(f"{shape} M={m} cfg={cfg}: {exc!r}"[:200], flush=True)
-            best = min(row[str(cfg)] for cfg in CONFIGS)
+                    row[label] = float("nan")
+                    print(f"{shape} M={m} {label}: {exc!r}"[:200], flush=True)
+            labels = [label for label, _ in _variants()]
+            best = min((row[label], label) for label in labels if row[label] == row[label])
             rows.append(row)
             if args.out:  # after every row, in case the run is cut short
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / "gluon_probe.json").write_text(json.dumps({"check_failures": fails, "worst": worst,
                                                                        "rows": rows}, indent=1))
             print(f"{shape:7} M={m:4} fp16 {row['fp16_us']:6.1f} dispatch {row['dispatch_us']:6.1f} gluon "
-                  + " ".join(f"{row[str(cfg)]:6.1f}" for cfg in CONFIGS)
-                  + f" -> best {row['fp16_us'] / best:.2f}x fp16 (dispatch {row['fp16_us'] / row['dispatch_us']:.2f}x)",
-                  flush=True)
+                  + " ".join(f"{row[label]:6.1f}" for label in labels)
+                  + f" -> best {best[1]} {row['fp16_us'] / best[0]:.2f}x fp16 "
+                  f"(dispatch {row['fp16_us'] / row['dispatch_us']:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":
