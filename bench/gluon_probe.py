@@ -113,10 +113,20 @@ def _a_operand(w, zb, s, a_l: gl.constexpr, ROWS: gl.constexpr, DEQ: gl.constexp
     return gl.convert_layout(gl.reshape(v, [ROWS, 128]), a_l, assert_trivial=True)
 
 
+def words_layout(rows: int) -> gl.DistributedLinearLayout:
+    """The [rows, 16] word tile's layout: thread (g, t) of warp w holds rows 16·w + g and 16·w + g + 8,
+    words 4·t … 4·t + 3 (register bits: word 1, 2, row 8; lane bits: word 4, 8, row 1, 2, 4; warp bits:
+    row 16, 32 (, 64))."""
+    warps = [[16, 0], [32, 0]] + ([[64, 0]] if rows == 128 else [])
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=warps, block_bases=[], shape=[rows, 16])
+
+
 @gluon.jit
 def gluon_w4_gemm(w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, M, N, KT, KW, G, group_size: gl.constexpr,
                   BM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr,
-                  ONE_BARRIER: gl.constexpr, DEQ: gl.constexpr = False):
+                  ONE_BARRIER: gl.constexpr, DEQ: gl.constexpr, words_l: gl.constexpr):
     """yᵀ [ROWS weight rows, BM x rows] per program; ROWS = 64 (4 warps, one warpgroup) or 128 (8 warps,
     two warpgroups sharing each x tile). ONE_BARRIER: refill the slot freed two steps back right after
     the step's only barrier (lookahead STAGES − 2 tiles) instead of a second barrier per step."""
@@ -128,14 +138,6 @@ def gluon_w4_gemm(w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, M, N, KT, KW, G, group_si
     NWARP: gl.constexpr = ROWS // 16
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NWARP, 1], instr_shape=[16, BM, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    if ROWS == 64:
-        words_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
-    else:
-        words_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 16])
     x_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NWARP, 1], [1, 0])
     x_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
@@ -196,7 +198,8 @@ def gluon_w4_gemm(w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, M, N, KT, KW, G, group_si
 
 @gluon.jit
 def gluon_w4_gemm_tma(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, KT, G, group_size: gl.constexpr,
-                      BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, DEQ: gl.constexpr):
+                      BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, DEQ: gl.constexpr,
+                      words_l: gl.constexpr):
     """The same product with TMA copies into the ring, completion on one mbarrier per slot. A TMA write is
     visible to wgmma (async proxy) and to ordinary loads once its mbarrier phase completes, so the
     wgmma needs no proxy fence after the copies (the cp.async form fences before every wgmma, a MEMBAR
@@ -209,14 +212,6 @@ def gluon_w4_gemm_tma(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, KT, G, group_
     NWARP: gl.constexpr = ROWS // 16
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NWARP, 1], instr_shape=[16, BM, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    if ROWS == 64:
-        words_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
-    else:
-        words_l: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 16])
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
     rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
     row_ok = rows < N
@@ -282,7 +277,8 @@ def gemm_tma(x: torch.Tensor, mw, bm: int = 64, stages: int = 4, rows: int = 64,
     w_desc = TensorDescriptor.from_tensor(mw.qweight, [rows // 16, 256], w_layout)
     grid = (triton.cdiv(n, rows), triton.cdiv(m, bm))
     gluon_w4_gemm_tma[grid](x_desc, w_desc, mw.scales, mw.zeros, out, m, n, kt, mw.scales.shape[1],
-                            group_size=mw.group_size, BM=bm, STAGES=stages, ROWS=rows, DEQ=deq, num_warps=rows // 16)
+                            group_size=mw.group_size, BM=bm, STAGES=stages, ROWS=rows, DEQ=deq,
+                            words_l=words_layout(rows), num_warps=rows // 16)
     return out
 
 
@@ -310,7 +306,7 @@ def gemm(x: torch.Tensor, mw, bm: int = 64, out: torch.Tensor | None = None, sta
     grid = (triton.cdiv(n, rows), triton.cdiv(m, bm), split)
     gluon_w4_gemm[grid](mw.qweight, mw.scales, mw.zeros, xp, dst, m, n, kt, mw.qweight.shape[1], mw.scales.shape[1],
                         group_size=mw.group_size, BM=bm, STAGES=stages, SPLIT=split, ROWS=rows,
-                        ONE_BARRIER=one_barrier, DEQ=deq, num_warps=rows // 16)
+                        ONE_BARRIER=one_barrier, DEQ=deq, words_l=words_layout(rows), num_warps=rows // 16)
     if split > 1:
         out.copy_(dst)
     return out
