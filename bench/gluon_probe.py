@@ -40,7 +40,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 
 @gluon.jit
@@ -376,10 +377,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="directory for gluon_probe.json")
     ap.add_argument("--cpu-check", action="store_true",
                     help="only check DEQ_ASM's arithmetic with the CPU tests' PTX interpreter (no GPU)")
+    ap.add_argument("--launch", default=None, metavar="LABEL",
+                    help="only launch the variant LABEL (as printed, e.g. 'tma(64, 4, 64, True)') five times on "
+                         "--shape at the first of --ms, for Nsight Compute (bench/gluon_profile.sh)")
+    ap.add_argument("--shape", default="qkv", help="with --launch: the Llama-2-7B linear")
     args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
     if args.cpu_check:
         raise SystemExit(1 if cpu_check() else 0)
-    ms = [int(v) for v in args.ms.split(",")]
+    if args.launch:
+        from bench.kernel_candidates import SHAPES
+
+        k, n = SHAPES[args.shape]
+        fn = dict(_variants())[args.launch]
+        mw = random_mw(k, n, 4, 128)
+        x = torch.randn(ms[0], k, device="cuda", dtype=torch.float16)
+        for _ in range(5):
+            fn(x, mw, None)
+        torch.cuda.synchronize()
+        return
     fails, worst = 0, 0.0
     mw = random_mw(4096, 1000, 4, 128)
     for m in (1, 77, 300):
