@@ -18,7 +18,8 @@ from triton.runtime import driver
 def hooks_set() -> bool:
     """Whether Triton launch hooks are set (a profiler's): then every launch takes the front end."""
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return bool((enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)))
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 def compiled_form(result: object) -> object | None:

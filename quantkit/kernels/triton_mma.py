@@ -491,12 +491,10 @@ class GemvLaunch:
         if ck is not None and specialized == self.specialized and not hooks_set():
             if run_compiled(ck, self.grid, args + self.constexpr_values):
                 return out
-            self.direct = False  # this Triton's launcher takes other arguments: front end from now on
+            self.compiled, self.direct = None, False  # another launcher convention: front end from now on
         ck = compiled_form(mma_gemv_kernel[self.grid](*args, **self.constexprs, **self.options))
         if self.compiled is None and ck is not None and self.direct:  # none under the interpreter
             self.compiled, self.specialized = ck, specialized
-        elif not self.direct:
-            self.compiled = None
         return out
 
 
