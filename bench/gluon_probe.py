@@ -221,6 +221,8 @@ def gluon_w4_gemm_tma(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, KT, G, group_
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
+    fence_async_shared()  # (run 54: without these two, warps could wait on a slot's stale barrier left
+    gl.thread_barrier()  # in shared memory by an earlier program: wrong results once programs queued)
     BYTES: gl.constexpr = BM * 128 * 2 + ROWS * 16 * 4
     for j in gl.static_range(STAGES - 1):  # tiles 0 … STAGES − 2
         mbarrier.expect(ready.index(j), BYTES, pred=j < KT)
@@ -264,12 +266,13 @@ def tma_layouts():
 
 
 def gemm_tma(x: torch.Tensor, mw, bm: int = 64, stages: int = 4, rows: int = 64, deq: bool = True,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """`gemm` through gluon_w4_gemm_tma (host-side TMA descriptors over permuted x and the words)."""
+             out: torch.Tensor | None = None, permute=None) -> torch.Tensor:
+    """`gemm` through gluon_w4_gemm_tma (host-side TMA descriptors over permuted x and the words);
+    permute: the function that permutes x (default: torch, `permute_x`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, n = x.shape[0], mw.out_features
-    xp = permute_x(x)
+    xp = (permute or permute_x)(x)
     kt = xp.shape[1] // 128
     if out is None:
         out = torch.empty(m, n, dtype=torch.float16, device=x.device)
@@ -287,10 +290,13 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] → [M, KT·128] fp16 with each 128-input tile in dot order (c1 c0 h i t1 t0 e), zero-padded."""
     m, k = x.shape
     kt = -(-k // 128)
-    xp = torch.zeros(m, kt * 128, dtype=torch.float16, device=x.device)
-    xp[:, :k] = x
+    if k == kt * 128 and x.dtype == torch.float16:  # one copy kernel, no padding
+        xp = x
+    else:
+        xp = torch.zeros(m, kt * 128, dtype=torch.float16, device=x.device)
+        xp[:, :k] = x
     # input bits (high to low): c1 c0 t1 t0 h i e → dot order c1 c0 h i t1 t0 e
-    return xp.view(m, kt, 4, 4, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(m, kt * 128).contiguous()
+    return xp.reshape(m, kt, 4, 4, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(m, kt * 128).contiguous()
 
 
 def gemm(x: torch.Tensor, mw, bm: int = 64, out: torch.Tensor | None = None, stages: int = 4,
@@ -315,13 +321,41 @@ def gemm(x: torch.Tensor, mw, bm: int = 64, out: torch.Tensor | None = None, sta
 
 # TMA form (gluon_w4_gemm_tma): BM, stages, rows, asm dequantization
 TMA_CONFIGS = [(64, 4, 64, True), (64, 5, 64, True), (64, 4, 128, True), (32, 6, 64, True), (128, 4, 128, True),
-               (256, 3, 128, True), (64, 4, 64, False)]
+               (256, 3, 128, True), (64, 4, 64, False), (16, 8, 64, True), (32, 8, 64, True), (16, 6, 128, True),
+               (32, 4, 64, False), (64, 3, 64, True)]
+
+
+# quantkit.kernels.gluon_gemm (x gathered in the kernel, no permute_x): BM, stages, rows
+GG_CONFIGS = [(16, 8, 64), (16, 6, 64), (32, 6, 64), (32, 4, 64), (64, 4, 64), (64, 3, 64), (64, 4, 128),
+              (32, 6, 128), (16, 8, 128)]
+TP_CONFIGS = [(16, 8, 64), (32, 6, 64), (64, 4, 64), (64, 5, 64), (64, 3, 64), (64, 4, 128)]
+_PERMUTED: dict = {}
+
+
+def _permuted_once(x: torch.Tensor) -> torch.Tensor:
+    key = (x.data_ptr(), tuple(x.shape))
+    if key not in _PERMUTED:
+        _PERMUTED[key] = permute_x(x)
+    return _PERMUTED[key]
+
+
+ALL = False  # --all: also the probe's own kernels (x permuted by torch first)
 
 
 def _variants():
-    """(label, fn(x, mw, out)) for every configuration of both forms."""
-    out = [(str(cfg), lambda x, mw, o, cfg=cfg: gemm(x, mw, cfg[0], o, *cfg[1:])) for cfg in CONFIGS]
-    out += [(f"tma{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, out=o)) for cfg in TMA_CONFIGS]
+    """(label, fn(x, mw, out)) for every configuration."""
+    from quantkit.kernels import gluon_gemm
+
+    out = [(f"gg{cfg}", lambda x, mw, o, cfg=cfg: gluon_gemm.gemm(x, mw, None, o, *cfg)) for cfg in GG_CONFIGS]
+    # the TMA form with x permuted by one Triton launch (gluon_gemm.permute_x), and without the
+    # permutation's cost (x permuted once, outside the timed graph)
+    out += [(f"tp{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, True, out=o, permute=gluon_gemm.permute_x))
+            for cfg in TP_CONFIGS]
+    out += [(f"tk{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, True, out=o, permute=_permuted_once))
+            for cfg in TP_CONFIGS]
+    if ALL:
+        out += [(str(cfg), lambda x, mw, o, cfg=cfg: gemm(x, mw, cfg[0], o, *cfg[1:])) for cfg in CONFIGS]
+        out += [(f"tma{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, out=o)) for cfg in TMA_CONFIGS]
     return out
 
 
@@ -370,7 +404,7 @@ def cpu_check() -> int:
 def main() -> None:
     from bench.kernel_timing import graph_us, rel_err
     from bench.kernels_mma import _rings, random_mw, reference
-    from quantkit.kernels import dispatch
+    from quantkit.kernels import dispatch, gluon_gemm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="16,32,64,128,256,1024", help="rows of x")
@@ -381,7 +415,10 @@ def main() -> None:
                     help="only launch the variant LABEL (as printed, e.g. 'tma(64, 4, 64, True)') five times on "
                          "--shape at the first of --ms, for Nsight Compute (bench/gluon_profile.sh)")
     ap.add_argument("--shape", default="qkv", help="with --launch: the Llama-2-7B linear")
+    ap.add_argument("--all", action="store_true", help="also time the probe's own kernels (x permuted first)")
     args = ap.parse_args()
+    global ALL
+    ALL = args.all
     ms = [int(v) for v in args.ms.split(",")]
     if args.cpu_check:
         raise SystemExit(1 if cpu_check() else 0)
@@ -396,21 +433,30 @@ def main() -> None:
             fn(x, mw, None)
         torch.cuda.synchronize()
         return
-    fails, worst = 0, 0.0
-    mw = random_mw(4096, 1000, 4, 128)
-    for m in (1, 77, 300):
-        x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-        ref = reference(x, mw, None)
-        for label, fn in _variants():
-            out = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.float16)
-            try:
-                err = rel_err(fn(x, mw, out).float(), ref)
-            except Exception as exc:  # report and go on: this is a probe
-                print(f"check M={m} {label}: {exc!r}"[:300], flush=True)
-                err = float("inf")
-            fails += not err <= 1e-2
-            worst = max(worst, err)
-    print(f"check: {3 * len(_variants())} cases, {fails} failures, worst {worst:.2e}", flush=True)
+    fails, worst, per = 0, 0.0, {}
+    for k, n, gs in ((4096, 1000, 128), (4096, 4096, 128), (11008, 4096, 128), (200, 136, -1), (1024, 520, 256)):
+        mw = random_mw(k, n, 4, gs)
+        bias = torch.randn(n, device="cuda", dtype=torch.float16)
+        for m in (1, 16, 17, 77, 300):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            ref = reference(x, mw, None)
+            variants = _variants() + [("gg(32, 6, 64)+bias", lambda x, mw, o: gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64)
+                                       - bias)]
+            if k % 128:
+                variants = [(label, fn) for label, fn in variants if label.startswith("gg")]
+            for label, fn in variants:
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+                try:
+                    err = rel_err(fn(x, mw, out).float(), ref)
+                except Exception as exc:  # report and go on: this is a probe
+                    print(f"check M={m} {label}: {exc!r}"[:300], flush=True)
+                    err = float("inf")
+                fails += not err <= 1e-2
+                worst = max(worst, err)
+                per.setdefault(label, []).append(f"{k}x{n} M={m}: {err:.1e}")
+    for label, errs in per.items():
+        print(f"check {label}: " + ", ".join(errs), flush=True)
+    print(f"check: {sum(map(len, per.values()))} cases, {fails} failures, worst {worst:.2e}", flush=True)
     rows = []
     for bits, _, shape, k, n, ring, fp16 in _rings([(4, ms)]):
         for m in ms:
@@ -418,6 +464,9 @@ def main() -> None:
             row = {"shape": shape, "m": m, "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16])}
             choice = dispatch.choice_for(ring[0], m, x.device)
             row["dispatch_us"] = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
+            row["permute_us"] = graph_us([lambda: permute_x(x)])
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(4)]
+            row["permute_triton_us"] = graph_us([lambda xi=xi: gluon_gemm.permute_x(xi) for xi in xs])
             for label, fn in _variants():
                 try:
                     row[label] = graph_us([lambda mw=mw, fn=fn: fn(x, mw, None) for mw in ring])
@@ -434,7 +483,8 @@ def main() -> None:
             print(f"{shape:7} M={m:4} fp16 {row['fp16_us']:6.1f} dispatch {row['dispatch_us']:6.1f} gluon "
                   + " ".join(f"{row[label]:6.1f}" for label in labels)
                   + f" -> best {best[1]} {row['fp16_us'] / best[0]:.2f}x fp16 "
-                  f"(dispatch {row['fp16_us'] / row['dispatch_us']:.2f}x)", flush=True)
+                  f"(dispatch {row['fp16_us'] / row['dispatch_us']:.2f}x; permute_x {row['permute_us']:.1f}, "
+                  f"Triton {row['permute_triton_us']:.1f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,257 @@
+"""W4 GEMM for 16 < M ≤ 128 on Hopper, written in Gluon (Triton's explicit-layout dialect): the mma
+layout's words (triton_mma) become the wgmma A operand in registers, x the B operand from shared memory.
+
+A program owns `rows` weight rows (64 per warpgroup of 4 warps) and a tile of BM rows of x, and walks
+K in tiles of 128 inputs. Thread (g, t) of warp w loads the words of rows 16·w + g and 16·w + g + 8,
+words 4·t … 4·t + 3 of each (16 bytes) — the words the wgmma A fragment needs, because the mma layout
+was built for `mma.sync`'s identical fragment. Each word becomes four fp16 pairs with one `lop3` and
+two `fma` per pair (DEQ_ASM, the GEMV's arithmetic: nibbles under the exponent of 1024, offset and
+zero point off exactly, then the scale), and the pairs are relabelled by join / reshape / permute to
+the fragment's input order, which the compiler proves free of data movement
+(`convert_layout(assert_trivial=True)`).
+
+That order within a 128-input tile is, high bit to low, c1 c0 h i t1 t0 e (word 4·t + c holds inputs
+32·c + 8·t + o, o = 4·h + 2·i + e), so x must meet it: `permute_x` (one small Triton launch, ≈ 2 µs
+in a CUDA graph) writes x in that order, and the GEMM's x tiles are then plain [BM, 128] boxes. Measured
+alternatives (bench/KERNELS_NOTES.md item 54): torch's permute-and-copy cost 6–11 µs per call;
+gathering x pair by pair in the kernel (4-byte cp.async) made the GEMM 15–35 % slower.
+
+x tiles and word tiles go through a ring of `stages` shared-memory slots filled by the copy engine
+(TMA), `stages − 1` tiles ahead, one mbarrier per slot; the wgmma of step t runs asynchronously while
+step t + 1's words are dequantized (one group in flight). fp32 accumulation, fp16 output, optional
+bias. 4-bit weights, group sizes that are multiples of 128 (or one group per row), fp16 activations;
+sm_90 only (wgmma, TMA). The Gluon API is experimental: this module is written against the Triton 3.6
+and 3.9 spellings and reports itself unavailable where the import fails. Figures: BENCHMARKS.md
+("Kernels") and bench/KERNELS_NOTES.md, items 51–56.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quantkit.kernels.triton_mma import MmaWeights
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon
+    gluon = None
+
+TILE_K = 128
+
+# The eight values of a word in fp16 pairs (triton_mma's arithmetic): one lop3 puts nibbles p and
+# p + 4 under the exponent of 1024 (odd p in place, reading 1024 + 16·q); an fma takes 1024 + z off
+# (odd p: scales by 1/16 and takes 64 + z off), exact; an fma by the scale (c = −0: a plain product).
+# Pairs (o, o + 1) for o = 0, 2, 4, 6 come from nibbles 0/4, 2/6, 1/5, 3/7. Inputs: the word,
+# −(1024 + z), −(64 + z) and s as fp16 pairs; outputs: the values of input offsets o = 0 … 7.
+DEQ_ASM = """{
+.reg .b32 p, q, one, sixteenth, nzero;
+mov.b32 one, 0x3C003C00;
+mov.b32 sixteenth, 0x2C002C00;
+mov.b32 nzero, 0x80008000;
+lop3.b32 p, $8, 0x000F000F, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, one, $9;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$0, $1}, p;
+shr.b32 q, $8, 8;
+lop3.b32 p, q, 0x000F000F, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, one, $9;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$2, $3}, p;
+lop3.b32 p, $8, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, sixteenth, $10;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$4, $5}, p;
+lop3.b32 p, q, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 p, p, sixteenth, $10;
+fma.rn.f16x2 p, p, $11, nzero;
+mov.b32 {$6, $7}, p;
+}"""
+DEQ_CONS = "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r"
+
+
+def natural_pair(d: torch.Tensor) -> torch.Tensor:
+    """Pair index in x's own order (bits c1 c0 t1 t0 h i) of the pair at dot-order position d (bits
+    c1 c0 h i t1 t0) within a 128-input tile; the kernel gathers x with the same expression."""
+    return (d & 48) | ((d & 3) << 2) | ((d >> 2) & 3)
+
+
+if gluon is not None:
+    _ASM = gl.constexpr(DEQ_ASM)
+    _CONS = gl.constexpr(DEQ_CONS)
+    TK = gl.constexpr(TILE_K)
+    # Spellings that moved between Triton 3.6 and 3.9 (Gluon is experimental)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the CTA barrier
+    _REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # public from 3.9
+
+    @gluon.jit
+    def _words(buf, ROWS: gl.constexpr, layout: gl.constexpr):
+        """A [ROWS / 16, 256] slot of words (as the copy engine wrote it) as the [ROWS, 16] word tile."""
+        if _REINTERPRET:
+            return buf.reinterpret(gl.int32, [ROWS, 16], layout)
+        else:
+            return buf._reinterpret(gl.int32, [ROWS, 16], layout)
+
+    @gluon.jit
+    def _pair_bits(v):
+        """fp16 values as int32 words holding them in both halves."""
+        b = v.to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return b | (b << 16)
+
+    @gluon.jit
+    def _a_operand(w, z, s, a_l: gl.constexpr, ROWS: gl.constexpr):
+        """[ROWS, 16] words (zero points z int32 and scales s fp16, [ROWS, 1]) → the [ROWS, 128] wgmma A
+        operand in dot order, without data movement."""
+        q = gl.inline_asm_elementwise(
+            _ASM, _CONS,
+            [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(-(z + 64).to(gl.float32)), _pair_bits(s)],
+            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+        v = gl.join(gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3])), gl.join(gl.join(q[4], q[5]), gl.join(q[6], q[7])))
+        v = gl.reshape(v, [ROWS, 2, 2, 2, 2, 2, 2, 2])  # rows, t1 t0 c1 c0 (the word), e i h (the value)
+        v = gl.permute(v, (0, 3, 4, 7, 6, 1, 2, 5))  # rows, c1 c0 h i t1 t0 e
+        return gl.convert_layout(gl.reshape(v, [ROWS, TK]), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def w4_gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, group_size: gl.constexpr,
+                       BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       words_l: gl.constexpr):
+        """out[m, n] = Σ_k x[m, k] · W[n, k] (+ b[n]) for the program's ROWS weight rows and BM rows of x.
+        x_desc: x permuted (`permute_x`), [M, KT · 128] fp16, boxes [BM, 128]; w_desc: the words, boxes of
+        [ROWS / 16 row tiles, 256 words] (one K-tile of ROWS rows, row-major [ROWS, 16])."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        NWARP: gl.constexpr = ROWS // 16
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NWARP, 1],
+                                                      instr_shape=[16, BM, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
+        rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
+        row_ok = rows < N
+        xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BM, TK], x_desc.layout)
+        wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, 256], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
+            mbarrier.init(ready.index(j), count=1)
+        fence_async_shared()  # the barriers are initialised for the copy engine and for every warp before
+        _barrier()  # any waits: without this, warps could read a stale barrier left by an earlier program
+        BYTES: gl.constexpr = BM * TK * 2 + ROWS * 16 * 4
+        for j in gl.static_range(STAGES - 1):  # K-tiles 0 … STAGES − 2
+            mbarrier.expect(ready.index(j), BYTES, pred=j < KT)
+            _tma_load(x_desc, [pid_m * BM, j * TK], ready.index(j), xbuf.index(j), pred=j < KT)
+            _tma_load(w_desc, [pid_n * (ROWS // 16), j * 256], ready.index(j), wbuf.index(j), pred=j < KT)
+        acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
+        s = gl.load(s_ptr + rows * G, mask=row_ok, other=0.0)[:, None]
+        z = gl.load(z_ptr + rows * G, mask=row_ok, other=0).to(gl.int32)[:, None]
+        for t in range(KT):
+            slot = t % STAGES
+            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+            w = _words(wbuf.index(slot), ROWS, plain).load(words_l)
+            a = _a_operand(w, z, s, a_l, ROWS)
+            gi = gl.minimum((t + 1) * TK // group_size, G - 1)  # next step's scales, loaded a step ahead
+            s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
+            z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+            acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # step t − 1's wgmma is done
+            _barrier()  # … in every warp, and every warp has read its words of step t − 1
+            nt = t + STAGES - 1  # into the slot of step t − 1
+            ns = nt % STAGES
+            mbarrier.expect(ready.index(ns), BYTES, pred=nt < KT)
+            _tma_load(x_desc, [pid_m * BM, nt * TK], ready.index(ns), xbuf.index(ns), pred=nt < KT)
+            _tma_load(w_desc, [pid_n * (ROWS // 16), nt * 256], ready.index(ns), wbuf.index(ns), pred=nt < KT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        for j in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(j))
+        orow = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+        ocol = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        if HAS_BIAS:
+            acc = acc + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
+        ptrs = out_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None]
+        gl.store(ptrs, acc.to(gl.float16), mask=(orow < N)[:, None] & (ocol < M)[None, :])
+
+    def words_layout(rows: int) -> gl.DistributedLinearLayout:
+        """The [rows, 16] word tile's register layout: thread (g, t) of warp w holds rows 16·w + g and
+        16·w + g + 8, words 4·t … 4·t + 3 (register bits: word 1, 2, row 8; lane bits: word 4, 8, row 1,
+        2, 4; warp bits: row 16, 32, …)."""
+        warps = [[16 << i, 0] for i in range(rows.bit_length() - 5)]
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                          lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warps, block_bases=[], shape=[rows, 16])
+
+    _WORDS_L = {64: words_layout(64), 128: words_layout(128)}
+    _X_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def supports(mw: MmaWeights, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this kernel takes the layer: Gluon present, a Hopper GPU (not the interpreter), 4-bit
+    weights in whole 128-input groups (or one group per row), fp16 activations, K a multiple of 8."""
+    if gluon is None or _interpreted() or device.type != "cuda" or dtype != torch.float16:
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    groups = mw.scales.shape[1]
+    return mw.bits == 4 and (groups == 1 or mw.group_size % TILE_K == 0) and mw.in_features % 8 == 0
+
+
+def _w_desc(mw: MmaWeights, rows: int):
+    """The TMA descriptor of the layer's words for programs of `rows` rows, made once per layer."""
+    descs = mw.__dict__.setdefault("tma_descs", {})
+    if rows not in descs:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        descs[rows] = TensorDescriptor.from_tensor(mw.qweight, [rows // 16, 256], layout)
+    return descs[rows]
+
+
+def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         bm: int = 64, stages: int = 4, rows: int = 64) -> torch.Tensor:
+    """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4-bit weights in the mma layout (`supports`):
+    x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch. bm: rows of x
+    per program (16, 32 or 64); stages: ring slots; rows: weight rows per program (64 per warpgroup)."""
+    m = x.shape[0]
+    n = mw.out_features
+    xp = permute_x(x)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    x_desc = TensorDescriptor.from_tensor(xp, [bm, TILE_K], _X_LAYOUT)
+    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm))
+    w4_gemm_kernel[grid](x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out,
+                         m, n, xp.shape[1] // TILE_K, mw.scales.shape[1], group_size=mw.group_size, BM=bm,
+                         STAGES=stages, ROWS=rows, HAS_BIAS=bias is not None, words_l=_WORDS_L[rows],
+                         num_warps=rows // 16)
+    return out
+
+
+@triton.jit
+def _permute_kernel(x_ptr, xp_ptr, K2, KP2, x_stride, xp_stride, BLOCK: tl.constexpr):
+    """xp[m, d] = x[m, natural pair of d] over int32 pairs (K2 of them), zeros from K2 to KP2."""
+    m = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src = (d & ~63) | (d & 48) | ((d & 3) << 2) | ((d >> 2) & 3)
+    v = tl.load(x_ptr + m * x_stride + src, mask=src < K2, other=0)
+    tl.store(xp_ptr + m * xp_stride + d, v, mask=d < KP2)
+
+
+def permute_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp16 → [M, KT · 128] fp16 with each 128-input tile in the dot order (c1 c0 h i t1 t0 e),
+    zero-padded: one Triton launch."""
+    m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    kp = triton.cdiv(k, TILE_K) * TILE_K
+    xp = torch.empty(m, kp, dtype=torch.float16, device=x.device)
+    block = min(2048, triton.next_power_of_2(kp // 2))
+    xi, xpi = x.view(torch.int32), xp.view(torch.int32)
+    _permute_kernel[(m, triton.cdiv(kp // 2, block))](xi, xpi, k // 2, kp // 2, xi.stride(0), xpi.stride(0),
+                                                       BLOCK=block)
+    return xp
