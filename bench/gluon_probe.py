@@ -325,21 +325,10 @@ TMA_CONFIGS = [(64, 4, 64, True), (64, 5, 64, True), (64, 4, 128, True), (32, 6,
                (32, 4, 64, False), (64, 3, 64, True)]
 
 
-# quantkit.kernels.gluon_gemm (x gathered in the kernel, no permute_x): BM, stages, rows
-GG_CONFIGS = [(16, 8, 64), (16, 6, 64), (32, 6, 64), (32, 4, 64), (64, 4, 64), (64, 3, 64), (64, 4, 128),
-              (32, 6, 128), (16, 8, 128)]
-TP_CONFIGS = [(16, 8, 64), (32, 6, 64), (64, 4, 64), (64, 5, 64), (64, 3, 64), (64, 4, 128)]
-_PERMUTED: dict = {}
-
-
-def _permuted_once(x: torch.Tensor) -> torch.Tensor:
-    key = (x.data_ptr(), tuple(x.shape))
-    if key not in _PERMUTED:
-        _PERMUTED[key] = permute_x(x)
-    return _PERMUTED[key]
-
-
-ALL = False  # --all: also the probe's own kernels (x permuted by torch first)
+# quantkit.kernels.gluon_gemm (TMA form, x permuted by one Triton launch): BM, stages, rows, split-K
+GG_CONFIGS = [(32, 6, 64, 1), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 128, 1), (32, 6, 64, 2), (32, 6, 64, 4),
+              (64, 4, 64, 4), (128, 4, 128, 1)]
+ALL = False  # --all: also the probe's own kernels (x permuted by torch)
 
 
 def _variants():
@@ -347,12 +336,6 @@ def _variants():
     from quantkit.kernels import gluon_gemm
 
     out = [(f"gg{cfg}", lambda x, mw, o, cfg=cfg: gluon_gemm.gemm(x, mw, None, o, *cfg)) for cfg in GG_CONFIGS]
-    # the TMA form with x permuted by one Triton launch (gluon_gemm.permute_x), and without the
-    # permutation's cost (x permuted once, outside the timed graph)
-    out += [(f"tp{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, True, out=o, permute=gluon_gemm.permute_x))
-            for cfg in TP_CONFIGS]
-    out += [(f"tk{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, True, out=o, permute=_permuted_once))
-            for cfg in TP_CONFIGS]
     if ALL:
         out += [(str(cfg), lambda x, mw, o, cfg=cfg: gemm(x, mw, cfg[0], o, *cfg[1:])) for cfg in CONFIGS]
         out += [(f"tma{cfg}", lambda x, mw, o, cfg=cfg: gemm_tma(x, mw, *cfg, out=o)) for cfg in TMA_CONFIGS]
@@ -441,8 +424,9 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             ref = reference(x, mw, None)
             variants = _variants() + [("gg(32, 6, 64)+bias", lambda x, mw, o: gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64)
-                                       - bias)]
-            if k % 128:
+                                       - bias), ("gg(32, 6, 64, 4)+bias", lambda x, mw, o:
+                                                 gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64, 4) - bias)]
+            if k % 128:  # the probe's own kernels need whole K-tiles
                 variants = [(label, fn) for label, fn in variants if label.startswith("gg")]
             for label, fn in variants:
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)

@@ -17,7 +17,7 @@ import torch
 from bench.kernel_timing import rel_err
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
-from quantkit.kernels import dispatch, reference, triton_layout, triton_mma
+from quantkit.kernels import dispatch, gluon_gemm, reference, triton_layout, triton_mma
 from quantkit.kernels.triton_gemm import dequantize, gemm
 from quantkit.kernels.triton_gemv import gemv
 
@@ -63,8 +63,8 @@ def variants(m: int):
 
 
 def mma_variants(m: int):
-    """(name, fn(x, mw, out)) for the mma layout: the GEMV's configurations, its dequantize, and
-    the runtime's choice (dispatch.mma_choice: the GEMV up to M = 64)."""
+    """(name, fn(x, mw, out)) for the mma layout: the GEMV's configurations, its dequantize, the Gluon
+    GEMM's (4-bit, fp16, Hopper) and the runtime's choice (dispatch.mma_choice)."""
     out = [("mma-dequant", lambda x, mw, y: y.copy_(x @ triton_mma.dequantize(mw, x.dtype).t())),
            ("mma-dispatch", lambda x, mw, y: y.copy_(dispatch.run(x, mw, None, dispatch.choice_for(mw, x.shape[0], x.device))))]
     if m <= 64:
@@ -73,6 +73,9 @@ def mma_variants(m: int):
             out.append((f"mma-w{nw}t{tiles}r{rows}", lambda x, mw, y, nw=nw, tiles=tiles, rows=rows, reg=reg:
                         triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=rows, maxnreg=reg, out=y)))
         out.append(("mma-w4t1-pdl", lambda x, mw, y: triton_mma.gemv(x, mw, num_warps=4, pdl=True, prefetch=1, out=y)))
+    for bm, stages, rows, split in ((32, 6, 64, 1), (64, 3, 64, 1), (64, 4, 128, 1), (32, 6, 64, 4), (128, 4, 128, 1)):
+        out.append((f"gluon-{bm}-{stages}-{rows}-{split}", lambda x, mw, y, c=(bm, stages, rows, split):
+                    gluon_gemm.gemm(x, mw, None, y, *c)))
     return out
 
 
@@ -101,7 +104,8 @@ def main() -> None:
                 x = (torch.randn(m, k, device="cuda") * 0.5).to(dtype)
                 ref = ref_fn(x).float()
                 runs = [(name, fn, kw) for name, fn in variants(m)]
-                runs += [(name, fn, mw) for name, fn in mma_variants(m) if mma_ok or (layout_ok and name == "mma-dequant")]
+                runs += [(name, fn, mw) for name, fn in mma_variants(m) if mma_ok or (layout_ok and name == "mma-dequant")
+                         if not name.startswith("gluon") or gluon_gemm.supports(mw, dtype, x.device)]
                 for name, fn, weights in runs:
                     y = poisoned(m, n, dtype)
                     try:

@@ -5,7 +5,8 @@ buffers are repacked once into a kernel layout and kept on the layer as a plain 
 the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
   runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
-  in BENCHMARKS.md and bench/KERNELS_NOTES.md). Each layer keeps its GEMV launches per M and dtype
+  in BENCHMARKS.md and bench/KERNELS_NOTES.md); on Hopper, 4-bit weights with fp16 activations, the
+  Gluon GEMM (gluon_gemm) takes 16 < M ≤ 128 where it measured faster (`gluon_choice`). Each layer keeps its GEMV launches per M and dtype
   (`gemv_launch`), which after the first call skip Triton's argument binding: an eager call costs
   about a quarter of the host time it did (bench/launch_overhead.py);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 import triton
 
-from quantkit.kernels import triton_gemm, triton_gemv, triton_mma
+from quantkit.kernels import gluon_gemm, triton_gemm, triton_gemv, triton_mma
 from quantkit.kernels.triton_layout import KernelWeights, from_module
 from quantkit.kernels.triton_mma import MmaWeights
 
@@ -33,7 +34,7 @@ from quantkit.kernels.triton_mma import MmaWeights
 class Choice:
     """A kernel and its tile parameters; `programs` is the split-K target in programs per SM."""
 
-    method: str  # "gemv", "gemm", "mma" or "dequant+cublas"
+    method: str  # "gemv", "gemm", "mma", "gluon" or "dequant+cublas"
     params: dict = field(default_factory=dict)
     programs: float = 4.0
 
@@ -96,7 +97,40 @@ def choose(bits: int, m: int) -> Choice:
     return TABLE[bits][-1][1]
 
 
-def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True) -> Choice:
+def gluon_choice(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
+    """The Gluon W4 GEMM's configuration for M rows of x, N outputs and K inputs, or None where the mma
+    GEMV (M ≤ 64) or dequantize + cuBLAS (M > 256) is faster. Measured on the H200 (run 58 of
+    bench/KERNELS_NOTES.md, `bench/gluon_probe.py`, four Llama-2-7B shapes, M ∈ {16, 32, 48, 64, 96,
+    128, 192, 256}, CUDA-graph medians, x permutation included; M = 512 and 1024 in run 57): the GEMV
+    keeps M ≤ 16, and M ≤ 32 except on wide layers (gate_up: 28.9 vs 28.9 µs, run 56: 29.5 vs 31.9);
+    narrow layers with long K (down) keep it up to M = 64 (39.1 vs 40.4 µs, split-K included). Elsewhere
+    the GEMM: M = 64 qkv 23.3 µs (GEMV 36.0 before), gate_up 33.2 (73.4); M = 256 qkv 60.2 vs 73.0
+    (dequantize + cuBLAS), gate_up 98.2 vs 127.0; M = 512 qkv 133 vs 104 (cuBLAS). Split-K never won."""
+    if m <= 16 or m > 256:
+        return None
+    rows = triton.cdiv(n, 16)
+    narrow, wide = rows <= 2 * sms, rows > 6 * sms
+
+    def g(bm: int, stages: int, rows_per_program: int = 64) -> Choice:
+        return Choice("gluon", dict(bm=bm, stages=stages, rows=rows_per_program))
+
+    if m <= 32:
+        return g(32, 6) if wide else None
+    if m <= 64:
+        if narrow:
+            return None if k > 8192 else g(32, 6)
+        return g(64, 3) if wide else g(64, 4)
+    if m <= 128:
+        if narrow:
+            return g(64, 4)
+        if m <= 96:
+            return g(64, 4, 128) if wide else g(128, 4, 128)
+        return g(64, 3)
+    return g(128, 4, 128) if wide and m > 192 else g(64, 3)
+
+
+def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: int = 0,
+               gluon: bool = False) -> Choice:
     """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs (`pdl`: the GPU
     has programmatic dependent launch, sm_90 and later).
 
@@ -109,8 +143,13 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True) -> C
     dependent launch (prefetch of one K-tile per warp before the wait) wherever it measured faster:
     4–20 % at M ≤ 16 except for the 2-warp programs of gate_up, which it slowed by 12 %. Each choice
     is the fastest configuration timed for its shape and M, or within 3 % of it. Above M = 64
-    dequantize + cuBLAS.
+    dequantize + cuBLAS. With `gluon` (4-bit weights, fp16 activations, Hopper: gluon_gemm.supports)
+    the Gluon GEMM takes the rows of M where `gluon_choice` measured it faster.
     """
+    if gluon and bits == 4:
+        choice = gluon_choice(m, n, k, sms)
+        if choice is not None:
+            return choice
     if m > 64:
         return _CUBLAS
     rows = triton.cdiv(n, 16)
@@ -207,6 +246,11 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
             w = triton_gemm.dequantize(kw, x2d.dtype)
         return torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
     p = choice.params
+    if choice.method == "gluon":
+        if isinstance(kw, MmaWeights) and gluon_gemm.supports(kw, x2d.dtype, x2d.device):
+            return gluon_gemm.gemm(x2d, kw, bias, **p)
+        choice = mma_choice(kw.bits, m, n, _sm_count(x2d.device), _has_pdl(x2d.device))  # e.g. bf16 x
+        return run(x2d, kw, bias, choice)
     if choice.method == "mma":
         launch = gemv_launch(kw, bias, m, x2d.dtype, x2d.device, choice.params)
         if launch is not None:
@@ -228,10 +272,12 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
     return triton_gemm.gemm(x2d, kw, bias, split_k=split, **p)
 
 
-def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device) -> Choice:
-    """The kernel for these weights and M rows of x: `mma_choice` for the mma layout, else the table."""
+def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device,
+               dtype: torch.dtype = torch.float16) -> Choice:
+    """The kernel for these weights and M rows of `dtype` x: `mma_choice` for the mma layout, else the table."""
     if isinstance(kw, MmaWeights):
-        return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device))
+        return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device), kw.in_features,
+                          gluon_gemm.supports(kw, dtype, device))
     return choose(kw.bits, m)
 
 
@@ -249,7 +295,7 @@ def gemv_launch(kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, m: in
     launch = launches.get(key)
     if launch is None or (launch and launch.bias is not bias):
         if params is None:
-            choice = choice_for(kw, m, device)
+            choice = choice_for(kw, m, device, dtype)
             params = choice.params if choice.method == "mma" else None
         launch = False
         if params is not None and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
@@ -267,5 +313,5 @@ def quant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     if launch is not None:
         y = launch(x2d)
     else:
-        y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device))
+        y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device, x2d.dtype))
     return y.reshape(*shape[:-1], kw.out_features)

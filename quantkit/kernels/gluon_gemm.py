@@ -1,4 +1,4 @@
-"""W4 GEMM for 16 < M ≤ 128 on Hopper, written in Gluon (Triton's explicit-layout dialect): the mma
+"""W4 GEMM for 16 < M ≤ 256 on Hopper, written in Gluon (Triton's explicit-layout dialect): the mma
 layout's words (triton_mma) become the wgmma A operand in registers, x the B operand from shared memory.
 
 A program owns `rows` weight rows (64 per warpgroup of 4 warps) and a tile of BM rows of x, and walks
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.triton_mma import MmaWeights
+from quantkit.kernels.triton_mma import W4_ORDER, MmaWeights, _unblocks
 
 try:
     from triton.experimental import gluon
@@ -77,12 +77,6 @@ mov.b32 {$6, $7}, p;
 DEQ_CONS = "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r"
 
 
-def natural_pair(d: torch.Tensor) -> torch.Tensor:
-    """Pair index in x's own order (bits c1 c0 t1 t0 h i) of the pair at dot-order position d (bits
-    c1 c0 h i t1 t0) within a 128-input tile; the kernel gathers x with the same expression."""
-    return (d & 48) | ((d & 3) << 2) | ((d >> 2) & 3)
-
-
 if gluon is not None:
     _ASM = gl.constexpr(DEQ_ASM)
     _CONS = gl.constexpr(DEQ_CONS)
@@ -120,14 +114,42 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(v, [ROWS, TK]), a_l, assert_trivial=True)
 
     @gluon.jit
+    def _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok, G, pid_m, pid_n,
+              group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+              BYTES: gl.constexpr, words_l: gl.constexpr, a_l: gl.constexpr, plain: gl.constexpr):
+        """Step i of the K loop (K-tile k0 + i): wait for its slot, dequantize its words (scales s, zero
+        points z), start its wgmma, retire step i − 1's, refill that step's slot with K-tile i + STAGES − 1.
+        Returns the accumulator and the next step's scales and zero points."""
+        t = k0 + i
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        w = _words(wbuf.index(slot), ROWS, plain).load(words_l)
+        a = _a_operand(w, z, s, a_l, ROWS)
+        gi = gl.minimum((t + 1) * TK // group_size, G - 1)  # next step's scales, loaded a step ahead
+        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
+        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # step i − 1's wgmma is done
+        _barrier()  # … in every warp, and every warp has read its words of step i − 1
+        ni = i + STAGES - 1  # into the slot of step i − 1
+        ns = ni % STAGES
+        mbarrier.expect(ready.index(ns), BYTES, pred=ni < NK)
+        _tma_load(x_desc, [pid_m * BM, (k0 + ni) * TK], ready.index(ns), xbuf.index(ns), pred=ni < NK)
+        _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + ni) * 256], ready.index(ns), wbuf.index(ns), pred=ni < NK)
+        return acc, s, z
+
+    @gluon.jit
     def w4_gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, group_size: gl.constexpr,
                        BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       words_l: gl.constexpr):
+                       SPLIT: gl.constexpr, words_l: gl.constexpr):
         """out[m, n] = Σ_k x[m, k] · W[n, k] (+ b[n]) for the program's ROWS weight rows and BM rows of x.
         x_desc: x permuted (`permute_x`), [M, KT · 128] fp16, boxes [BM, 128]; w_desc: the words, boxes of
         [ROWS / 16 row tiles, 256 words] (one K-tile of ROWS rows, row-major [ROWS, 16])."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
+        per = gl.cdiv(KT, SPLIT)  # SPLIT > 1: this program's K-tiles k0 … k0 + NK − 1, fp32 sums added
+        k0 = gl.program_id(2) * per  # into out_ptr (a zeroed fp32 [M, N] buffer)
+        NK = gl.minimum(per, KT - k0)
         NWARP: gl.constexpr = ROWS // 16
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NWARP, 1],
                                                       instr_shape=[16, BM, 16])
@@ -144,37 +166,38 @@ if gluon is not None:
         _barrier()  # any waits: without this, warps could read a stale barrier left by an earlier program
         BYTES: gl.constexpr = BM * TK * 2 + ROWS * 16 * 4
         for j in gl.static_range(STAGES - 1):  # K-tiles 0 … STAGES − 2
-            mbarrier.expect(ready.index(j), BYTES, pred=j < KT)
-            _tma_load(x_desc, [pid_m * BM, j * TK], ready.index(j), xbuf.index(j), pred=j < KT)
-            _tma_load(w_desc, [pid_n * (ROWS // 16), j * 256], ready.index(j), wbuf.index(j), pred=j < KT)
+            mbarrier.expect(ready.index(j), BYTES, pred=j < NK)
+            _tma_load(x_desc, [pid_m * BM, (k0 + j) * TK], ready.index(j), xbuf.index(j), pred=j < NK)
+            _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + j) * 256], ready.index(j), wbuf.index(j), pred=j < NK)
         acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
-        s = gl.load(s_ptr + rows * G, mask=row_ok, other=0.0)[:, None]
-        z = gl.load(z_ptr + rows * G, mask=row_ok, other=0).to(gl.int32)[:, None]
-        for t in range(KT):
-            slot = t % STAGES
-            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-            w = _words(wbuf.index(slot), ROWS, plain).load(words_l)
-            a = _a_operand(w, z, s, a_l, ROWS)
-            gi = gl.minimum((t + 1) * TK // group_size, G - 1)  # next step's scales, loaded a step ahead
-            s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
-            z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
-            acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # step t − 1's wgmma is done
-            _barrier()  # … in every warp, and every warp has read its words of step t − 1
-            nt = t + STAGES - 1  # into the slot of step t − 1
-            ns = nt % STAGES
-            mbarrier.expect(ready.index(ns), BYTES, pred=nt < KT)
-            _tma_load(x_desc, [pid_m * BM, nt * TK], ready.index(ns), xbuf.index(ns), pred=nt < KT)
-            _tma_load(w_desc, [pid_n * (ROWS // 16), nt * 256], ready.index(ns), wbuf.index(ns), pred=nt < KT)
+        gi = gl.minimum(k0 * TK // group_size, G - 1)
+        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
+        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        # Two steps per iteration, so that consecutive steps' A operands are different registers: the
+        # wgmma of step t still reads its A registers while step t + 1 dequantizes, and with one step
+        # per iteration the next step wrote the same registers (results corrupted now and then at BM =
+        # 64, where the wgmma runs longest: run 57, bench/KERNELS_NOTES.md item 57).
+        for i in range(0, NK - 1, 2):
+            acc, s, z = _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok, G,
+                              pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, words_l, a_l, plain)
+            acc, s, z = _step(i + 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok,
+                              G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, words_l, a_l, plain)
+        if NK % 2 == 1:
+            acc, s, z = _step(NK - 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok,
+                              G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, words_l, a_l, plain)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(j))
         orow = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
         ocol = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-        if HAS_BIAS:
-            acc = acc + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
         ptrs = out_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None]
-        gl.store(ptrs, acc.to(gl.float16), mask=(orow < N)[:, None] & (ocol < M)[None, :])
+        omask = (orow < N)[:, None] & (ocol < M)[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc = acc + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(ptrs, acc.to(gl.float16), mask=omask)
+        else:
+            gl.atomic_add(ptrs, acc, mask=omask)
 
     def words_layout(rows: int) -> gl.DistributedLinearLayout:
         """The [rows, 16] word tile's register layout: thread (g, t) of warp w holds rows 16·w + g and
@@ -214,21 +237,27 @@ def _w_desc(mw: MmaWeights, rows: int):
 
 
 def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         bm: int = 64, stages: int = 4, rows: int = 64) -> torch.Tensor:
+         bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor:
     """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4-bit weights in the mma layout (`supports`):
     x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch. bm: rows of x
-    per program (16, 32 or 64); stages: ring slots; rows: weight rows per program (64 per warpgroup)."""
+    per program (16, 32 or 64); stages: ring slots; rows: weight rows per program (64 per warpgroup);
+    split: programs sharing each output tile's K (fp32 sums added into a zeroed buffer, then converted:
+    two more launches, for layers too narrow to fill the GPU)."""
     m = x.shape[0]
     n = mw.out_features
     xp = permute_x(x)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    kt = xp.shape[1] // TILE_K
+    split = max(1, min(split, kt))
+    dst = out if split == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
     x_desc = TensorDescriptor.from_tensor(xp, [bm, TILE_K], _X_LAYOUT)
-    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm))
-    w4_gemm_kernel[grid](x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out,
-                         m, n, xp.shape[1] // TILE_K, mw.scales.shape[1], group_size=mw.group_size, BM=bm,
-                         STAGES=stages, ROWS=rows, HAS_BIAS=bias is not None, words_l=_WORDS_L[rows],
-                         num_warps=rows // 16)
+    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm), split)
+    w4_gemm_kernel[grid](x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, dst,
+                         m, n, kt, mw.scales.shape[1], group_size=mw.group_size, BM=bm, STAGES=stages, ROWS=rows,
+                         HAS_BIAS=bias is not None, SPLIT=split, words_l=_WORDS_L[rows], num_warps=rows // 16)
+    if split > 1:
+        out.copy_(dst if bias is None else dst + bias.float())
     return out
 
 
@@ -255,3 +284,36 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     _permute_kernel[(m, triton.cdiv(kp // 2, block))](xi, xpi, k // 2, kp // 2, xi.stride(0), xpi.stride(0),
                                                        BLOCK=block)
     return xp
+
+
+def permute_torch(x: torch.Tensor) -> torch.Tensor:
+    """What `permute_x` computes, in torch (for the tests and `emulate`): input bits (high to low) c1 c0
+    t1 t0 h i e of each 128-input tile → dot order c1 c0 h i t1 t0 e."""
+    m, k = x.shape
+    kt = -(-k // TILE_K)
+    xp = torch.zeros(m, kt * TILE_K, dtype=x.dtype, device=x.device)
+    xp[:, :k] = x
+    return xp.reshape(m, kt, 4, 4, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(m, kt * TILE_K)
+
+
+def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
+    """What the GEMM computes, in torch, step for step (for the CPU tests): each word's values in input
+    order, dequantized as DEQ_ASM does ((q − z) · s rounded to fp16 once), relabelled by the kernel's
+    join / reshape / permute into the dot order, times x permuted into that order; fp32 [M, N]."""
+    m, k = x.shape
+    n = mw.out_features
+    kt = -(-k // TILE_K)
+    words = (_unblocks(mw.qweight, 4, n).to(torch.int64) & 0xFFFFFFFF).reshape(n, kt, 16)
+    gi = torch.clamp(torch.arange(kt, device=x.device) * TILE_K // mw.group_size, max=mw.scales.shape[1] - 1)
+    z = mw.zeros.to(torch.float32)[:, gi][:, :, None]
+    s = mw.scales.to(torch.float32)[:, gi][:, :, None]
+    q = [(((words >> (4 * W4_ORDER.index(o))) & 15).to(torch.float32) - z) * s for o in range(8)]
+    q = [v.half() for v in q]  # value of input offset o of every word, [N, KT, 16]
+
+    def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.stack([a, b], -1)
+
+    v = join(join(join(q[0], q[1]), join(q[2], q[3])), join(join(q[4], q[5]), join(q[6], q[7])))
+    v = v.reshape(n, kt, 2, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 5, 8, 7, 2, 3, 6)  # as the kernel, per K-tile
+    a = v.reshape(n, kt * TILE_K).float()
+    return permute_torch(x).float() @ a.t()

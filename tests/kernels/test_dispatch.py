@@ -33,6 +33,51 @@ def test_mma_choice_row_tiles_and_pdl():
             assert not dispatch.mma_choice(8, m, n, pdl=False).params.get("pdl")
 
 
+def test_gluon_choice_by_shape_and_rows_of_x():
+    qkv, o, gate_up, down = (4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)
+    for k, n in (qkv, o, gate_up, down):
+        for m in (1, 16, 257, 1024):  # the GEMV below, dequantize + cuBLAS above
+            assert dispatch.gluon_choice(m, n, k) is None
+    assert dispatch.gluon_choice(32, gate_up[1], 4096).params == dict(bm=32, stages=6, rows=64)
+    assert dispatch.gluon_choice(32, qkv[1], 4096) is None
+    assert dispatch.gluon_choice(64, down[1], down[0]) is None  # narrow, long K: the GEMV up to 64
+    assert dispatch.gluon_choice(64, o[1], o[0]).params["bm"] == 32
+    assert dispatch.gluon_choice(64, qkv[1], 4096).params == dict(bm=64, stages=4, rows=64)
+    assert dispatch.gluon_choice(64, gate_up[1], 4096).params["stages"] == 3
+    assert dispatch.gluon_choice(96, qkv[1], 4096).params == dict(bm=128, stages=4, rows=128)
+    assert dispatch.gluon_choice(96, gate_up[1], 4096).params == dict(bm=64, stages=4, rows=128)
+    assert dispatch.gluon_choice(128, down[1], down[0]).params["bm"] == 64
+    assert dispatch.gluon_choice(256, gate_up[1], 4096).params["bm"] == 128
+    assert dispatch.gluon_choice(256, qkv[1], 4096).params == dict(bm=64, stages=3, rows=64)
+
+
+def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
+    assert dispatch.mma_choice(4, 64, 12288, k=4096, gluon=True).method == "gluon"
+    assert dispatch.mma_choice(4, 64, 12288, k=4096, gluon=False).method == "mma"
+    assert dispatch.mma_choice(4, 100, 12288, k=4096, gluon=False).method == "dequant+cublas"
+    assert dispatch.mma_choice(8, 64, 12288, k=4096, gluon=True).method == "mma"  # 4-bit weights only
+    # on the CPU the layer never gets it
+    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(torch.zeros(16, 256, dtype=torch.long), 4),
+                                                      torch.ones(16, 2).half(), torch.zeros(16, 2, dtype=torch.uint8),
+                                                      4, 128, 256, 16))
+    assert dispatch.choice_for(mw, 64, torch.device("cpu")).method == "mma"
+
+
+def test_run_falls_back_from_a_gluon_choice(triton_interpreter):
+    # a Gluon choice handed to run() where the GEMM cannot run (here: the CPU) takes the mma path instead
+    g = torch.Generator().manual_seed(3)
+    n, k = 24, 256
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s = (torch.rand(n, 2, generator=g) * 0.02 + 0.002).half()
+    z = torch.randint(0, 16, (n, 2), generator=g).to(torch.uint8)
+    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, 128, k, n))
+    x = torch.randn(80, k, generator=g).half()
+    idx = torch.arange(k) // 128
+    ref = x.float() @ ((q.float() - z.float()[:, idx]) * s.float()[:, idx]).t()
+    out = dispatch.run(x, mw, None, dispatch.Choice("gluon", dict(bm=64, stages=3, rows=64)))
+    assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_pdl_is_opt_in(monkeypatch):
     monkeypatch.delenv("QUANTKIT_PDL", raising=False)
     assert not dispatch._has_pdl(torch.device("cpu"))

@@ -1,0 +1,67 @@
+"""The Gluon W4 GEMM's operand orders (on the CPU: the kernel itself needs a Hopper GPU, where
+bench/kernels_check.py runs it; tests/kernels/test_compile_cuda.py compiles it for sm_90 here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.kernels import gluon_gemm, triton_mma
+from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
+
+
+def _layer(n: int, k: int, group_size: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    gs = k if group_size == -1 else group_size
+    q = torch.randint(0, 16, (n, k), generator=g)
+    s = (torch.rand(n, groups, generator=g) * 0.02 + 0.002).half()
+    z = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
+    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, gs, k, n))
+    idx = torch.arange(k) // gs
+    w = (q.float() - z.float()[:, idx]) * s.float()[:, idx]
+    return mw, w, g
+
+
+@pytest.mark.parametrize("n,k,group_size", [(40, 256, 128), (70, 200, -1), (33, 1024, 256), (16, 136, 128)])
+def test_dot_order_product_is_the_layer(n, k, group_size):
+    # the words' values relabelled as the kernel does, times x permuted into the same order, is x Wᵀ:
+    # a wrong relabelling or permutation pairs weights with the wrong inputs (rel. error ≈ 0.5)
+    mw, w, g = _layer(n, k, group_size)
+    x = torch.randn(7, k, generator=g).half()
+    ref = x.float() @ w.t()
+    out = gluon_gemm.emulate(x, mw)
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 200), (3, 384), (2, 4096)])
+def test_permute_x_kernel_matches_torch(triton_interpreter, m, k):
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g).half()
+    xp = gluon_gemm.permute_x(x)
+    assert xp.shape == (m, -(-k // 128) * 128)
+    assert torch.equal(xp, gluon_gemm.permute_torch(x))
+    natural = gluon_gemm.permute_torch(torch.arange(xp.shape[1], dtype=torch.float32)[None, :])[0]
+    assert not xp[:, natural >= k].any()  # the padding is zero, not whatever torch.empty held
+
+
+def test_permute_x_of_a_strided_view(triton_interpreter):
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(4, 300, generator=g).half()
+    x = big[:, 22:278]  # rows 300 apart, offset by 44 bytes
+    assert torch.equal(gluon_gemm.permute_x(x), gluon_gemm.permute_torch(x.contiguous()))
+
+
+def test_permutation_is_the_documented_bit_swap():
+    # input 32·c + 8·t + 4·h + 2·i + e lands at dot position 32·c + 16·h + 8·i + 2·t + e
+    x = torch.arange(128, dtype=torch.float32)[None, :]
+    xp = gluon_gemm.permute_torch(x)[0].long()
+    for d in range(128):
+        c, h, i, t, e = d >> 5, (d >> 4) & 1, (d >> 3) & 1, (d >> 1) & 3, d & 1
+        assert xp[d] == 32 * c + 8 * t + 4 * h + 2 * i + e
+
+
+def test_supports_needs_hopper_fp16_and_4_bits():
+    mw, _, _ = _layer(16, 256, 128)
+    # no GPU here (and the interpreter cannot run Gluon): never
+    assert not gluon_gemm.supports(mw, torch.float16, torch.device("cpu"))
