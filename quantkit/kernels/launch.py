@@ -42,12 +42,22 @@ def run_compiled(ck, grid: tuple[int, ...], args: tuple) -> bool:
     return True
 
 
+def _arg_key(a: object) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if hasattr(a, "base") and hasattr(a, "block_shape") and hasattr(a, "layout"):  # a host TMA descriptor
+        return "desc", a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None)
+    return a
+
+
 def signature_key(args: tuple) -> tuple:
     """A key that changes whenever the front end could specialize these arguments differently: tensors
-    by dtype and 16-byte alignment, everything else (integers, constexprs, strings) by value. Integers
-    go in whole rather than by the front end's classes (divisible by 16, equal to 1, 32 or 64 bits), so
-    a constexpr can never be mistaken for an argument; a new size costs one more front-end launch."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
+    by dtype and 16-byte alignment, host TMA descriptors (Gluon's TensorDescriptor) by dtype, block shape,
+    shared-memory layout and padding (their base is always 16-byte aligned; shape and strides are
+    launch arguments), everything else (integers, constexprs, strings) by value. Integers go in whole
+    rather than by the front end's classes (divisible by 16, equal to 1, 32 or 64 bits), so a constexpr
+    can never be mistaken for an argument; a new size costs one more front-end launch."""
+    return tuple(_arg_key(a) for a in args)
 
 
 class KeptKernel:

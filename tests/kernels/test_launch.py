@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quantkit.kernels import launch
@@ -61,6 +62,26 @@ def test_constexprs_that_look_alike_are_not_confused():
     """16 and 32 are both multiples of 16: as a block size they must still select different kernels."""
     assert launch.signature_key((torch.zeros(4), 16)) != launch.signature_key((torch.zeros(4), 32))
     assert launch.signature_key((torch.zeros(4), True)) != launch.signature_key((torch.zeros(4), False))
+
+
+def test_tma_descriptors_are_keyed_by_what_the_front_end_specializes():
+    """Gluon's host TensorDescriptor: dtype, block shape, layout and padding select the compiled kernel;
+    its base tensor, shape and strides are launch arguments (a new x each call must not miss)."""
+    gluon_hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    other = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+
+    def desc(m, block, lay=layout, dtype=torch.float16):
+        return gluon_hopper.TensorDescriptor.from_tensor(torch.zeros(m, 256, dtype=dtype), block, lay)
+
+    key = launch.signature_key
+    assert key((desc(16, [64, 128]), 4)) == key((desc(300, [64, 128]), 4))  # another x, another M
+    assert key((desc(16, [64, 128]), 4)) != key((desc(16, [32, 128]), 4))
+    assert key((desc(16, [64, 128]), 4)) != key((desc(16, [64, 128], other), 4))
+    assert key((desc(16, [64, 128]), 4)) != key((desc(16, [64, 128], dtype=torch.bfloat16), 4))
+    hash(key((desc(16, [64, 128]), 4)))  # usable as a dictionary key
 
 
 def test_hooks_send_every_launch_through_the_front_end(monkeypatch):
