@@ -1,31 +1,27 @@
-"""Probe (sixth session, not integrated): a W4 g128 GEMM for M ≥ 16 written in Gluon, Triton's explicit-layout
-dialect, reading the mma layout's words in place and feeding them to wgmma from registers.
+"""Configurations of the Gluon W4 GEMM (quantkit/kernels/gluon_gemm.py) against the dispatch and fp16,
+and (with --all) the sixth session's probe kernels that it grew from.
 
-    PYTHONPATH=. python bench/gluon_probe.py [--ms 16,32,64,128,256,1024] [--out DIR]
+    PYTHONPATH=. python bench/gluon_probe.py [--ms 16,32,48,64,96,128,192,256] [--out DIR] [--all]
 
-Why Gluon: the `tl` GEMM of run 43 (bench/KERNELS_NOTES.md, item 43) could not keep the dequantized
-weights in registers — Triton stored every tile to shared memory and waited for the wgmma that read
-the previous one. In Gluon the layouts are ours: a program's 64 weight rows are loaded as a [64, 16]
-word tile in which thread (g, t) of warp w holds rows 16·w + g and + 8 and words 4·t … 4·t + 3 (16
-bytes), exactly the words the wgmma A fragment needs. The eight values of each word are dequantized
-((1024 + q) − (1024 + z)) · s in fp16 and relabelled, by join / reshape / permute, to the fragment's
-input order, which the compiler proves free of data movement (`convert_layout(assert_trivial=True)`).
-x is permuted once per call (torch) into that same input order within each 128-input tile, so its
-tiles are plain row-major [BM, 128] cp.async copies into a 3-slot shared-memory ring, two tiles ahead;
-wgmma m64nBMk16 runs asynchronously with one group in flight while the next tile is dequantized; the
-next tile's words are loaded into registers a step ahead. Dot order within a tile, high bit to low: c1 c0 h i t1 t0 e, where word
-4·t + c of a row holds inputs 32·c + 8·t + (0…7) and input offset o = 4·h + 2·i + e.
+First a correctness check of every configuration (K × N = 4096 × 1000, 4096 × 4096, 11008 × 4096,
+200 × 136 with one group per row, 1024 × 520 with g256; M = 1, 16, 17, 77, 300; bias and split-K
+variants) against the fp32 reference on NaN-poisoned outputs, printed per configuration; then, per
+Llama-2-7B shape and M: fp16 F.linear, the dispatch's choice, torch's and the Triton permutation of x
+alone, and each of GG_CONFIGS (BM, ring slots, weight rows per program, split-K), CUDA-graph medians
+over a ring of weights. `dispatch.gluon_choice` was set from this script's output (runs 57–58,
+bench/KERNELS_NOTES.md items 54–59).
 
-Prints, per Llama-2-7B shape and M: fp16 F.linear, the dispatch (mma GEMV ≤ 64, dequantize + cuBLAS
-above), and this kernel in each of CONFIGS (BM, ring stages, split-K), CUDA-graph medians over a ring
-of weights, after a correctness check against the fp32 reference on NaN-poisoned outputs.
-
-Outcome (runs 51–52, bench/KERNELS_NOTES.md items 51–52): correct at once (0 failures, worst 2.9e-4);
-at M = 64 faster than the dispatch's GEMV on gate_up (52.5 vs 73.3 µs, 0.99× fp16) and level on qkv
-(35.2 vs 36.7), slower on the narrow layers (64 programs for N = 4096) and 2–3× slower than fp16 from
-M = 256 (every x tile dequantizes the weights again). Not integrated. Written against Triton 3.6's
-Gluon (the lent GPU's); Gluon is experimental and moves: Triton 3.9 (the CPU machines') renamed
-`async_copy.async_copy_global_to_shared` to `async_load`, so this file compiles with 3.6 only.
+The probe kernels (--all; x permuted by torch first): `gluon_w4_gemm`, a cp.async form (optionally
+one barrier per step — wrong, run 54 — and the asm dequantization DEQ_ASM), and `gluon_w4_gemm_tma`,
+the TMA form the package kernel was made from. Both keep one K-step per loop iteration and so share
+the A-register race of item 58 at BM ≥ 64 (the package kernel runs two steps per iteration). Their
+layout notes: a program's weight rows are loaded as a word tile in which thread (g, t) of warp w
+holds rows 16·w + g and + 8 and words 4·t … 4·t + 3 — the wgmma A fragment's words; each word's 8
+values are dequantized in fp16 and relabelled by join / reshape / permute to the fragment's input
+order c1 c0 h i t1 t0 e (word 4·t + c holds inputs 32·c + 8·t + o, o = 4·h + 2·i + e), which the
+compiler proves free of data movement (`convert_layout(assert_trivial=True)`). Written against
+Triton 3.6's Gluon (the lent GPU's); the package module papers over 3.9's renamed calls, this probe
+does not.
 """
 
 from __future__ import annotations
