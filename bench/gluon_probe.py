@@ -39,6 +39,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+# the asm dequantization (DEQ_ASM), its pair arguments and the word tile's layout: the package's
+from quantkit.kernels.gluon_gemm import _ASM, _CONS, _pair_bits, words_layout
+
 
 @gluon.jit
 def _value(w, o: gl.constexpr, zb, s):
@@ -48,51 +51,13 @@ def _value(w, o: gl.constexpr, zb, s):
     return (q.to(gl.int16).to(gl.float16, bitcast=True) - zb) * s
 
 
-# The eight values of a word in fp16 pairs, as the GEMV's asm makes them (triton_mma._asm): one lop3
-# puts nibbles p and p + 4 under the exponent of 1024 (odd p in place, reading 1024 + 16·q); an fma
-# takes 1024 + z off (odd p: scales by 1/16 and takes 64 + z off), exact; an fma by the scale
-# (c = −0: a plain product). Pairs (o, o + 1) for o = 0, 2, 4, 6 come from nibbles 0/4, 2/6, 1/5,
-# 3/7. Inputs: the word, −(1024 + z), −(64 + z) and s as fp16 pairs; outputs: values o = 0 … 7.
-DEQ_ASM = gl.constexpr("""{
-.reg .b32 p, q, one, sixteenth, nzero;
-mov.b32 one, 0x3C003C00;
-mov.b32 sixteenth, 0x2C002C00;
-mov.b32 nzero, 0x80008000;
-lop3.b32 p, $8, 0x000F000F, 0x64006400, 0xEA;
-fma.rn.f16x2 p, p, one, $9;
-fma.rn.f16x2 p, p, $11, nzero;
-mov.b32 {$0, $1}, p;
-shr.b32 q, $8, 8;
-lop3.b32 p, q, 0x000F000F, 0x64006400, 0xEA;
-fma.rn.f16x2 p, p, one, $9;
-fma.rn.f16x2 p, p, $11, nzero;
-mov.b32 {$2, $3}, p;
-lop3.b32 p, $8, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 p, p, sixteenth, $10;
-fma.rn.f16x2 p, p, $11, nzero;
-mov.b32 {$4, $5}, p;
-lop3.b32 p, q, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 p, p, sixteenth, $10;
-fma.rn.f16x2 p, p, $11, nzero;
-mov.b32 {$6, $7}, p;
-}""")
-DEQ_CONS = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r")
-
-
-@gluon.jit
-def _pair_bits(v):
-    """fp16 values as int32 words holding them in both halves."""
-    b = v.to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return b | (b << 16)
-
-
 @gluon.jit
 def _a_operand(w, zb, s, a_l: gl.constexpr, ROWS: gl.constexpr, DEQ: gl.constexpr = False, z=None):
     """[ROWS, 16] words → the [ROWS, 128] wgmma A operand in dot order (no data movement). DEQ: the
     values come from DEQ_ASM (z: the zero points, int32 [ROWS, 1]); else from plain Gluon arithmetic."""
     if DEQ:
         q = gl.inline_asm_elementwise(
-            DEQ_ASM, DEQ_CONS,
+            _ASM, _CONS,
             [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(-(z + 64).to(gl.float32)), _pair_bits(s)],
             dtype=(gl.float16,) * 8, is_pure=True, pack=1)
         e0 = gl.join(q[0], q[1])
@@ -108,16 +73,6 @@ def _a_operand(w, zb, s, a_l: gl.constexpr, ROWS: gl.constexpr, DEQ: gl.constexp
     v = gl.reshape(v, [ROWS, 2, 2, 2, 2, 2, 2, 2])  # rows, t1 t0 c1 c0, e i h
     v = gl.permute(v, (0, 3, 4, 7, 6, 1, 2, 5))  # rows, c1 c0 h i t1 t0 e
     return gl.convert_layout(gl.reshape(v, [ROWS, 128]), a_l, assert_trivial=True)
-
-
-def words_layout(rows: int) -> gl.DistributedLinearLayout:
-    """The [rows, 16] word tile's layout: thread (g, t) of warp w holds rows 16·w + g and 16·w + g + 8,
-    words 4·t … 4·t + 3 (register bits: word 1, 2, row 8; lane bits: word 4, 8, row 1, 2, 4; warp bits:
-    row 16, 32 (, 64))."""
-    warps = [[16, 0], [32, 0]] + ([[64, 0]] if rows == 128 else [])
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
-                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=warps, block_bases=[], shape=[rows, 16])
 
 
 @gluon.jit
@@ -346,40 +301,6 @@ CONFIGS = [(64, 4, 1, 64, False, False), (64, 5, 1, 64, True, False), (64, 5, 1,
            (256, 3, 1, 128, False, True), (64, 5, 2, 64, True, True)]
 
 
-def cpu_check() -> int:
-    """DEQ_ASM run by the CPU tests' PTX interpreter (tests/ptx_interp.py) on every nibble value and
-    zero point, against (q − z) · s rounded to fp16 once; returns the number of mismatches."""
-    import sys
-
-    import numpy as np
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from ptx_interp import Warp, f2h, h2f
-
-    def pair(v: float) -> int:
-        b = f2h(v, False)
-        return b | (b << 16)
-
-    order = (0, 4, 2, 6, 1, 5, 3, 7)  # nibble p holds input offset order[p]
-    rng = np.random.default_rng(0)
-    bad = 0
-    for z in range(16):
-        s = float(np.float16(rng.uniform(0.001, 0.02)))
-        lanes = []
-        for lane in range(32):
-            qs = [int(v) for v in rng.integers(0, 16, 8)]
-            word = sum(qs[p] << (4 * p) for p in range(8))
-            lanes.append((qs, [word, pair(-(1024.0 + z)), pair(-(64.0 + z)), pair(s)]))
-        out = Warp(DEQ_ASM.value, [args for _, args in lanes], {}, False, first_input=8).run()
-        for (qs, _), res in zip(lanes, out):
-            for p in range(8):
-                want = float(np.float16((qs[p] - z) * s))
-                got = h2f(res[order[p]], False)
-                bad += got != want
-    print(f"cpu check of DEQ_ASM: 16 zero points × 32 words × 8 values, {bad} mismatches", flush=True)
-    return bad
-
-
 def main() -> None:
     from bench.kernel_timing import graph_us, rel_err
     from bench.kernels_mma import _rings, random_mw, reference
@@ -388,8 +309,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="16,32,64,128,256,1024", help="rows of x")
     ap.add_argument("--out", type=Path, default=None, help="directory for gluon_probe.json")
-    ap.add_argument("--cpu-check", action="store_true",
-                    help="only check DEQ_ASM's arithmetic with the CPU tests' PTX interpreter (no GPU)")
     ap.add_argument("--launch", default=None, metavar="LABEL",
                     help="only launch the variant LABEL (as printed, e.g. 'tma(64, 4, 64, True)') five times on "
                          "--shape at the first of --ms, for Nsight Compute (bench/gluon_profile.sh)")
@@ -399,8 +318,6 @@ def main() -> None:
     global ALL
     ALL = args.all
     ms = [int(v) for v in args.ms.split(",")]
-    if args.cpu_check:
-        raise SystemExit(1 if cpu_check() else 0)
     if args.launch:
         from bench.kernel_candidates import SHAPES
 

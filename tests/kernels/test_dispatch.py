@@ -63,17 +63,22 @@ def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
     assert dispatch.choice_for(mw, 64, torch.device("cpu")).method == "mma"
 
 
-def test_run_falls_back_from_a_gluon_choice(triton_interpreter):
-    # a Gluon choice handed to run() where the GEMM cannot run (here: the CPU) takes the mma path instead
-    g = torch.Generator().manual_seed(3)
-    n, k = 24, 256
+def _mma_layer(n: int, k: int, seed: int):
+    """A random W4 g128 layer in the mma layout, its dequantized weight [N, K] and the generator."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g)
     s = (torch.rand(n, 2, generator=g) * 0.02 + 0.002).half()
     z = torch.randint(0, 16, (n, 2), generator=g).to(torch.uint8)
     mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, 128, k, n))
-    x = torch.randn(80, k, generator=g).half()
     idx = torch.arange(k) // 128
-    ref = x.float() @ ((q.float() - z.float()[:, idx]) * s.float()[:, idx]).t()
+    return mw, (q.float() - z.float()[:, idx]) * s.float()[:, idx], g
+
+
+def test_run_falls_back_from_a_gluon_choice(triton_interpreter):
+    # a Gluon choice handed to run() where the GEMM cannot run (here: the CPU) takes the mma path instead
+    mw, w, g = _mma_layer(24, 256, 3)
+    x = torch.randn(80, 256, generator=g).half()
+    ref = x.float() @ w.t()
     out = dispatch.run(x, mw, None, dispatch.Choice("gluon", dict(bm=64, stages=3, rows=64)))
     assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
 
@@ -86,16 +91,10 @@ def test_pdl_is_opt_in(monkeypatch):
 
 
 def test_run_mma_layout_dequantize_path(triton_interpreter):
-    g = torch.Generator().manual_seed(0)
-    n, k = 40, 256
-    q = torch.randint(0, 16, (n, k), generator=g)
-    s = (torch.rand(n, 2, generator=g) * 0.02 + 0.002).half()
-    z = torch.randint(0, 16, (n, 2), generator=g).to(torch.uint8)
-    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, 128, k, n))
-    x = torch.randn(70, k, generator=g).half()  # above 64 rows: dequantize + cuBLAS
-    bias = torch.randn(n, generator=g).half()
-    idx = torch.arange(k) // 128
-    ref = x.float() @ ((q.float() - z.float()[:, idx]) * s.float()[:, idx]).t() + bias.float()
+    mw, w, g = _mma_layer(40, 256, 0)
+    x = torch.randn(70, 256, generator=g).half()  # above 64 rows: dequantize + cuBLAS
+    bias = torch.randn(40, generator=g).half()
+    ref = x.float() @ w.t() + bias.float()
     choice = dispatch.choice_for(mw, x.shape[0], x.device)
     assert choice.method == "dequant+cublas"
     out = dispatch.run(x, mw, bias, choice)

@@ -3,8 +3,10 @@ bench/kernels_check.py runs it; tests/kernels/test_compile_cuda.py compiles it f
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from ptx_interp import Warp, f2h, h2f
 
 from quantkit.kernels import gluon_gemm, triton_mma
 from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
@@ -65,3 +67,25 @@ def test_supports_needs_hopper_fp16_and_4_bits():
     mw, _, _ = _layer(16, 256, 128)
     # no GPU here (and the interpreter cannot run Gluon): never
     assert not gluon_gemm.supports(mw, torch.float16, torch.device("cpu"))
+
+
+def test_dequantization_asm_is_exact():
+    # DEQ_ASM (the kernel's only arithmetic on the weights) run by the tests' PTX interpreter on every
+    # nibble position, all 16 zero points and random nibbles: (q − z) · s rounded to fp16 once
+    def pair(v: float) -> int:
+        b = f2h(v, False)
+        return b | (b << 16)
+
+    rng = np.random.default_rng(0)
+    for z in range(16):
+        s = float(np.float16(rng.uniform(0.001, 0.02)))
+        lanes = []
+        for _ in range(32):
+            qs = [int(v) for v in rng.integers(0, 16, 8)]  # the nibble at bits 4·p
+            lanes.append((qs, [sum(q << (4 * p) for p, q in enumerate(qs)), pair(-(1024.0 + z)),
+                               pair(-(64.0 + z)), pair(s)]))
+        out = Warp(gluon_gemm.DEQ_ASM, [args for _, args in lanes], {}, False, first_input=8).run()
+        for (qs, _), res in zip(lanes, out):
+            for p in range(8):  # output o is input offset o, which nibble W4_ORDER.index(o) holds
+                o = triton_mma.W4_ORDER[p]
+                assert h2f(res[o], False) == float(np.float16((qs[p] - z) * s)), (z, p)
