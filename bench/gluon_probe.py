@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--ms", default="16,32,64,128,256,1024", help="rows of x")
     ap.add_argument("--out", type=Path, default=None, help="directory for gluon_probe.json")
     ap.add_argument("--launch", default=None, metavar="LABEL",
-                    help="only launch the variant LABEL (as printed, e.g. 'tma(64, 4, 64, True)') five times on "
+                    help="only launch the variant LABEL (as printed, e.g. 'gg(64, 4, 64, 1)') five times on "
                          "--shape at the first of --ms, for Nsight Compute (bench/gluon_profile.sh)")
     ap.add_argument("--shape", default="qkv", help="with --launch: the Llama-2-7B linear")
     args = ap.parse_args()
