@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 # quantkit.kernels.gluon_gemm (TMA form, x permuted by one Triton launch): BM, stages, rows, split-K
+# run 58's eight, then two queued for the next GPU session (compiled here, not run: 167 / 175 registers,
+# no spills; BM = 256 spills 348 bytes with two A-register sets and is left out)
 GG_CONFIGS = [(32, 6, 64, 1), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 128, 1), (32, 6, 64, 2), (32, 6, 64, 4),
-              (64, 4, 64, 4), (128, 4, 128, 1)]
+              (64, 4, 64, 4), (128, 4, 128, 1), (128, 3, 64, 1), (128, 3, 128, 1)]
 
 
 def _variants():

@@ -6,9 +6,10 @@ the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
   runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
   in BENCHMARKS.md and bench/KERNELS_NOTES.md); on Hopper, 4-bit weights with fp16 activations, the
-  Gluon GEMM (gluon_gemm) takes 16 < M ≤ 128 where it measured faster (`gluon_choice`). Each layer keeps its GEMV launches per M and dtype
-  (`gemv_launch`), which after the first call skip Triton's argument binding: an eager call costs
-  about a quarter of the host time it did (bench/launch_overhead.py);
+  Gluon GEMM (gluon_gemm) takes 16 < M ≤ 256 where it measured faster (`gluon_choice`). Each layer
+  keeps its GEMV launches per M and dtype (`gemv_launch`), which after the first call skip Triton's
+  argument binding: an eager call costs about a quarter of the host time it did
+  (bench/launch_overhead.py);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
   kernel's inline PTX) the block-planar layout (triton_layout) and `TABLE`, measured by
   bench/kernel_speed.py --tune; split-K is set per call so that a launch has enough programs to fill

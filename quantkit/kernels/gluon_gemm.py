@@ -13,16 +13,17 @@ the fragment's input order, which the compiler proves free of data movement
 That order within a 128-input tile is, high bit to low, c1 c0 h i t1 t0 e (word 4·t + c holds inputs
 32·c + 8·t + o, o = 4·h + 2·i + e), so x must meet it: `permute_x` (one small Triton launch, ≈ 2 µs
 in a CUDA graph) writes x in that order, and the GEMM's x tiles are then plain [BM, 128] boxes. Measured
-alternatives (bench/KERNELS_NOTES.md item 54): torch's permute-and-copy cost 6–11 µs per call;
-gathering x pair by pair in the kernel (4-byte cp.async) made the GEMM 15–35 % slower.
+alternatives (bench/KERNELS_NOTES.md items 55–57): torch's permute-and-copy cost 5–15 µs per call;
+gathering x pair by pair in the kernel (4-byte cp.async) made the GEMM 17–27 % slower than this.
 
 x tiles and word tiles go through a ring of `stages` shared-memory slots filled by the copy engine
 (TMA), `stages − 1` tiles ahead, one mbarrier per slot; the wgmma of step t runs asynchronously while
-step t + 1's words are dequantized (one group in flight). fp32 accumulation, fp16 output, optional
+step t + 1's words are dequantized (one group in flight), so consecutive steps must hold their A
+operands in different registers: the K loop runs two steps per iteration (item 58). fp32 accumulation, fp16 output, optional
 bias. 4-bit weights, group sizes that are multiples of 128 (or one group per row), fp16 activations;
 sm_90 only (wgmma, TMA). The Gluon API is experimental: this module is written against the Triton 3.6
 and 3.9 spellings and reports itself unavailable where the import fails. Figures: BENCHMARKS.md
-("Kernels") and bench/KERNELS_NOTES.md, items 51–56.
+("Kernels") and bench/KERNELS_NOTES.md, items 51–60.
 """
 
 from __future__ import annotations
