@@ -6,8 +6,8 @@ First a correctness check of every configuration (K × N = 4096 × 1000, 4096 ×
 200 × 136 with one group per row, 1024 × 520 with g256; M = 1, 16, 17, 77, 300; bias and split-K
 variants) against the fp32 reference on NaN-poisoned outputs, printed per configuration; then, per
 Llama-2-7B shape and M: fp16 F.linear, the dispatch's choice, torch's and the Triton permutation of x
-alone, and each of GG_CONFIGS (BM, ring slots, weight rows per program, split-K), CUDA-graph medians
-over a ring of weights. `dispatch.gluon_choice` was set from this script's output (runs 57–58,
+alone, each of GG_CONFIGS (BM, ring slots, weight rows per program, split-K) and of SA_CONFIGS (the
+shared-memory-A probe, bench/gluon_smem_a.py), CUDA-graph medians over a ring of weights. `dispatch.gluon_choice` was set from this script's output (runs 57–58,
 bench/KERNELS_NOTES.md items 54–59). `--launch LABEL` only launches one configuration, for Nsight
 Compute (bench/gluon_profile.sh).
 
@@ -33,16 +33,24 @@ GG_CONFIGS = [(32, 6, 64, 1), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 128, 1), (
               (64, 4, 64, 4), (128, 4, 128, 1), (128, 3, 64, 1), (128, 3, 128, 1)]
 
 
+# bench/gluon_smem_a.py (A operand through shared memory, x unpermuted; queued, compiled here, not run):
+# BM, stages, rows
+SA_CONFIGS = [(32, 6, 64), (64, 3, 64), (64, 4, 64), (128, 3, 64), (256, 2, 64), (128, 2, 128), (256, 2, 128)]
+
+
 def _variants():
     """(label, fn(x, mw, out)) for every configuration."""
+    from bench.gluon_smem_a import gemm_sa
     from quantkit.kernels import gluon_gemm
 
-    return [(f"gg{cfg}", lambda x, mw, o, cfg=cfg: gluon_gemm.gemm(x, mw, None, o, *cfg)) for cfg in GG_CONFIGS]
+    out = [(f"gg{cfg}", lambda x, mw, o, cfg=cfg: gluon_gemm.gemm(x, mw, None, o, *cfg)) for cfg in GG_CONFIGS]
+    return out + [(f"sa{cfg}", lambda x, mw, o, cfg=cfg: gemm_sa(x, mw, None, o, *cfg)) for cfg in SA_CONFIGS]
 
 
 def main() -> None:
     from bench.kernel_timing import graph_us, rel_err
     from bench.kernels_mma import _rings, random_mw, reference
+    from bench.gluon_smem_a import gemm_sa
     from quantkit.kernels import dispatch, gluon_gemm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,7 +82,8 @@ def main() -> None:
             ref = reference(x, mw, None)
             variants = _variants() + [("gg(32, 6, 64)+bias", lambda x, mw, o: gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64)
                                        - bias), ("gg(32, 6, 64, 4)+bias", lambda x, mw, o:
-                                                 gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64, 4) - bias)]
+                                                 gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64, 4) - bias),
+                                      ("sa(128, 3, 64)+bias", lambda x, mw, o: gemm_sa(x, mw, bias, o, 128, 3, 64) - bias)]
             for label, fn in variants:
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                 try:
