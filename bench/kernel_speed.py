@@ -76,7 +76,7 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             choice = dispatch.choice_for(kws[0], m, x.device)
-            named = (("w", "num_warps"), ("t", "tiles"), ("r", "rows"))
+            named = (("w", "num_warps"), ("t", "tiles"), ("b", "bm"), ("s", "stages"), ("r", "rows"))
             params = "".join(f" {a}{choice.params[key]}" for a, key in named if choice.params.get(key))
             row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m,
                    "kernel": choice.method + params + (" pdl" if choice.params.get("pdl") else ""),
