@@ -12,7 +12,7 @@ the layer moves to another device:
   (bench/launch_overhead.py);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
   kernel's inline PTX) the block-planar layout (triton_layout) and `TABLE`, measured by
-  bench/kernel_speed.py --tune; split-K is set per call so that a launch has enough programs to fill
+  bench/kernels.py --tune; split-K is set per call so that a launch has enough programs to fill
   the GPU. QUANTKIT_DISPATCH_TABLE=path.json replaces that table (the format `use_table` takes).
 """
 
@@ -51,7 +51,7 @@ def _gemm(block_m: int, block_n: int, programs: float) -> Choice:
 
 _CUBLAS = Choice("dequant+cublas")
 # bits → rows of (largest M, choice); the first row whose bound is ≥ M is used. Measured on the H200
-# by `bench/kernel_speed.py --tune` (least time summed over the four Llama-2-7B linears, per M; run 5 of
+# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M; run 5 of
 # 2026-11-30 in bench/KERNELS_NOTES.md). From M = 64 (W4) and beyond M = 16 (W8) every fused kernel
 # tried lost to dequantize (16-byte stores, ≈ 90 % of copy bandwidth) + cuBLAS.
 TABLE: dict[int, list[tuple[int, Choice]]] = {
@@ -71,7 +71,7 @@ TABLE: dict[int, list[tuple[int, Choice]]] = {
 
 
 def use_table(table: dict) -> None:
-    """Replace the table, e.g. with one that bench/kernel_speed.py --tune measured on another GPU.
+    """Replace the table, e.g. with one that bench/kernels.py --tune measured on another GPU.
 
     `table` maps bits (as a string or int) to rows [largest M, {"method", "params", "programs"}].
     """

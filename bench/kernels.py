@@ -1,6 +1,6 @@
 """W4A16 / W8A16 kernels against torch fp16 F.linear and torch's int4 kernel at Llama-2-7B shapes (H200).
 
-    PYTHONPATH=. python bench/kernel_speed.py --out DIR [--tune] [--table table.json]
+    PYTHONPATH=. python bench/kernels.py --out DIR [--tune] [--table table.json]
 
 --tune first times every candidate kernel configuration (bench/kernel_candidates.py) summed over the
 four shapes, per M, and installs the fastest as the dispatch table (written to DIR/table.json, then
