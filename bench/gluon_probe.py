@@ -35,7 +35,7 @@ GG_CONFIGS = [(32, 6, 64, 1), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 128, 1), (
 
 # bench/gluon_smem_a.py (A operand through shared memory, x unpermuted; queued, compiled here, not run):
 # BM, stages, rows
-SA_CONFIGS = [(32, 6, 64), (64, 3, 64), (64, 4, 64), (128, 3, 64), (256, 2, 64), (128, 2, 128), (256, 2, 128)]
+SA_CONFIGS = [(16, 8, 64), (32, 6, 64), (64, 3, 64), (64, 4, 64), (128, 3, 64), (256, 2, 64), (128, 2, 128), (256, 2, 128)]
 
 
 def _variants():

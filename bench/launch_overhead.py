@@ -1,6 +1,6 @@
 """Where the eager (no CUDA graph) call of a QuantLinear spends its time, on the GPU.
 
-    PYTHONPATH=. python bench/launch_overhead.py [--calls 300] [--profile]
+    PYTHONPATH=. python bench/launch_overhead.py [--calls 300] [--profile] [--gluon]
 
 Times, per call, a loop of eager calls at M = 1 on the 4096 × 4096 (o) shape, each timed as host
 wall time over the loop after a synchronize (the GPU work per call is ≈ 6 µs, so what shows is the
@@ -9,6 +9,11 @@ with the dispatch's parameters, dispatch.run, and QuantLinear.forward. With --pr
 QuantLinear loop (top functions by own time). Before timing it checks the kept launch (GemvLaunch's
 direct path) against Triton's front end: new x every call, M in {1, 3, 16, 64}, a strided output
 (back to the front end), replay from a CUDA graph, QuantLinear against its dequantized weight.
+
+--gluon (seventh session; queued, not run): the same for the Gluon GEMM's eager call at M = 64 on the
+qkv shape — the whole call, and its parts (the permute launch, the TMA descriptor, allocations, the
+GEMM launch with prebuilt arguments), beside fp16 F.linear and the mma GEMV's kept launch; after a
+check that the call replayed from a CUDA graph (new x copied in) matches the eager call.
 """
 
 from __future__ import annotations
@@ -88,11 +93,74 @@ def check(layer: QuantLinear) -> int:
     return bad
 
 
+def gluon_parts(calls: int, profile: bool) -> int:
+    """The Gluon GEMM's eager call and its parts, µs per call (printed); returns check failures."""
+    from bench.kernels_mma import random_mw
+    from quantkit.kernels import gluon_gemm
+
+    k, n, m = 4096, 12288, 64
+    mw = random_mw(k, n, 4, 128)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    w16 = torch.randn(n, k, device="cuda", dtype=torch.float16)
+    p = dispatch.gluon_choice(m, n, k).params
+    # graph replay against the eager call: the TMA descriptors travel in the captured kernel parameters
+    static_x = x.clone()
+    gluon_gemm.gemm(static_x, mw, None, None, **p)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = gluon_gemm.gemm(static_x, mw, None, None, **p)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = gluon_gemm.gemm(static_x.clone(), mw, None, None, **p)
+    err = ((static_out.float() - want.float()).norm() / want.float().norm()).item()
+    print(f"check gluon graph replay vs eager: {err:.1e}{'' if err < 1e-3 else '  FAIL'}", flush=True)
+    if not err < 1e-3:
+        return 1
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    xp = gluon_gemm.permute_x(x)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    desc = TensorDescriptor.from_tensor(xp, [p["bm"], gluon_gemm.TILE_K], gluon_gemm._X_LAYOUT)
+    grid = (triton.cdiv(n, p["rows"]), triton.cdiv(m, p["bm"]), 1)
+    gargs = (desc, gluon_gemm._w_desc(mw, p["rows"]), mw.scales, mw.zeros, out, out, m, n, k // 128, mw.scales.shape[1],
+             128, p["bm"], p["stages"], p["rows"], False, 1, gluon_gemm._WORDS_L[p["rows"]])
+    gemv = triton_mma.GemvLaunch(mw, None, m, x.device, **dispatch.mma_choice(4, m, n).params)
+    rows = {
+        "fp16 F.linear": per_call_us(lambda: F.linear(x, w16), calls),
+        "mma GEMV, kept launch (the sixth session's choice)": per_call_us(lambda: gemv(x, out), calls),
+        "gluon_gemm.gemm (whole call)": per_call_us(lambda: gluon_gemm.gemm(x, mw, None, out, **p), calls),
+        "  permute_x (kept launch + allocation)": per_call_us(lambda: gluon_gemm.permute_x(x), calls),
+        "  TensorDescriptor.from_tensor": per_call_us(lambda: TensorDescriptor.from_tensor(
+            xp, [p["bm"], gluon_gemm.TILE_K], gluon_gemm._X_LAYOUT), calls),
+        "  torch.empty of the output": per_call_us(lambda: torch.empty(m, n, device="cuda", dtype=torch.float16),
+                                                   calls),
+        "  GEMM launch, kept, prebuilt arguments": per_call_us(lambda: gluon_gemm._GEMM(
+            grid, gargs, num_warps=p["rows"] // 16), calls),
+    }
+    print(f"gluon choice {p}")
+    for name, us in rows.items():
+        print(f"{name:52} {us:7.1f} µs/call")
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            gluon_gemm.gemm(x, mw, None, out, **p)
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
     ap.add_argument("--profile", action="store_true", help="cProfile the QuantLinear loop")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon GEMM's eager call at M = 64 instead")
     args = ap.parse_args()
+    if args.gluon:
+        raise SystemExit(gluon_parts(args.calls, args.profile))
     k = n = 4096
     layer = random_layer(k, n)
     x = torch.randn(1, k, device="cuda", dtype=torch.float16)
