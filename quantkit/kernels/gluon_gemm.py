@@ -214,6 +214,14 @@ if gluon is not None:
     _X_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
+def _aligned(x: torch.Tensor, align: int) -> torch.Tensor:
+    """x itself if its rows are contiguous and every row starts `align`-byte aligned, else a fresh copy."""
+    size = x.element_size()
+    if x.stride(1) == 1 and (x.stride(0) * size) % align == 0 and x.data_ptr() % align == 0:
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -284,8 +292,7 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp16 → [M, KT · 128] fp16 with each 128-input tile in the dot order (c1 c0 h i t1 t0 e),
     zero-padded: one Triton launch."""
     m, k = x.shape
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
-        x = x.contiguous()
+    x = _aligned(x, 4)
     kp = triton.cdiv(k, TILE_K) * TILE_K
     xp = torch.empty(m, kp, dtype=torch.float16, device=x.device)
     block = min(2048, triton.next_power_of_2(kp // 2))

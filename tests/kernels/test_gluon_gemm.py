@@ -52,6 +52,16 @@ def test_permute_x_of_a_strided_view(triton_interpreter):
     big = torch.randn(4, 300, generator=g).half()
     x = big[:, 22:278]  # rows 300 apart, offset by 44 bytes
     assert torch.equal(gluon_gemm.permute_x(x), gluon_gemm.permute_torch(x.contiguous()))
+    odd = torch.randn(1 + 3 * 256, generator=g).half()[1:].view(3, 256)  # contiguous, 2 bytes off
+    assert torch.equal(gluon_gemm.permute_x(odd), gluon_gemm.permute_torch(odd))
+
+
+def test_aligned_copies_only_when_needed():
+    x = torch.zeros(4, 256, dtype=torch.float16)
+    assert gluon_gemm._aligned(x, 16) is x
+    odd = torch.zeros(1 + 4 * 256, dtype=torch.float16)[1:].view(4, 256)
+    fixed = gluon_gemm._aligned(odd, 16)
+    assert fixed is not odd and fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
 
 
 def test_permutation_is_the_documented_bit_swap():
