@@ -249,12 +249,15 @@ def _w_desc(mw: MmaWeights, rows: int):
 def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor:
     """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4-bit weights in the mma layout (`supports`):
-    x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch. bm: rows of x
+    x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch (`out`, if given,
+    may be strided: it is then written through a copy). bm: rows of x
     per program (16, 32 or 64); stages: ring slots; rows: weight rows per program (64 per warpgroup);
     split: programs sharing each output tile's K (fp32 sums added into a zeroed buffer, then converted:
     two more launches, for layers too narrow to fill the GPU)."""
     m = x.shape[0]
     n = mw.out_features
+    if out is not None and not out.is_contiguous():  # the kernel writes rows N apart
+        return out.copy_(gemm(x, mw, bias, None, bm, stages, rows, split))
     xp = permute_x(x)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float16, device=x.device)
