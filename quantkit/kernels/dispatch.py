@@ -27,6 +27,7 @@ import torch
 import triton
 
 from quantkit.kernels import gluon_gemm, triton_gemm, triton_gemv, triton_mma
+from quantkit.kernels.launch import interpreted
 from quantkit.kernels.triton_layout import KernelWeights, from_module
 from quantkit.kernels.triton_mma import MmaWeights
 
@@ -176,10 +177,6 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: i
     return mma(4, 2, early=True) if narrow else mma(2, 1, None, 2) if mid else mma(4, 1, None, 2)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -227,7 +224,7 @@ def kernel_weights(
             layer.to(device)
         kw = from_module(layer)
         groups = kw.scales.shape[1]
-        if device.type == "cuda" and not _interpreted() and triton_mma.supports(
+        if device.type == "cuda" and not interpreted() and triton_mma.supports(
                 kw.bits, kw.group_size, kw.in_features, groups, dtype):
             kw = triton_mma.from_kernel_weights(kw)
         layer._kernel_weights = kw

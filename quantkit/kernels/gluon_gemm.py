@@ -28,13 +28,11 @@ and 3.9 spellings and reports itself unavailable where the import fails. Figures
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from quantkit.kernels.launch import KeptKernel
+from quantkit.kernels.launch import KeptKernel, interpreted
 from quantkit.kernels.triton_mma import W4_ORDER, MmaWeights, _unblocks
 
 try:
@@ -222,14 +220,10 @@ def _aligned(x: torch.Tensor, align: int) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def supports(mw: MmaWeights, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this kernel takes the layer: Gluon present, a Hopper GPU (not the interpreter), 4-bit
     weights in whole 128-input groups (or one group per row), fp16 activations, K a multiple of 8."""
-    if gluon is None or _interpreted() or device.type != "cuda" or dtype != torch.float16:
+    if gluon is None or interpreted() or device.type != "cuda" or dtype != torch.float16:
         return False
     if torch.cuda.get_device_capability(device)[0] != 9:
         return False

@@ -10,9 +10,16 @@ Under TRITON_INTERPRET there is no compiled kernel; every call then takes the fr
 
 from __future__ import annotations
 
+import os
+
 import torch
 from triton import knobs
 from triton.runtime import driver
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def hooks_set() -> bool:
