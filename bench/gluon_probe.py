@@ -6,11 +6,13 @@ First a correctness check of every configuration (K × N = 4096 × 1000, 4096 ×
 200 × 136 with one group per row, 1024 × 520 with g256; M = 1, 16, 17, 77, 300; bias and split-K
 variants) against the fp32 reference on NaN-poisoned outputs, printed per configuration; then, per
 Llama-2-7B shape and M: fp16 F.linear, the dispatch's choice, torch's and the Triton permutation of x
-alone, each of GG_CONFIGS (BM, ring slots, weight rows per program, split-K) and of SA_CONFIGS (the
-shared-memory-A probe, bench/gluon_smem_a.py), CUDA-graph medians over a ring of weights. `dispatch.gluon_choice` was set from this script's output (runs 57–58,
-bench/KERNELS_NOTES.md items 54–59). `--launch LABEL` only launches one configuration, for Nsight
+alone, and each configuration of SMALL (M ≤ 64) or LARGE (M ≥ 96) (BM, ring slots, weight rows per
+program, split-K), CUDA-graph medians over a ring of weights. `dispatch.gluon_choice` was set from this
+script's output (runs 57–58, 61–62; bench/KERNELS_NOTES.md items 54–63). `--launch LABEL` only launches one configuration, for Nsight
 Compute (bench/gluon_profile.sh).
 
+The shared-memory-A form (dequantized weights stored to a shared-memory A tile, x unpermuted; run 61,
+item 62: slower than this kernel everywhere) is in git history at commit e98489f (bench/gluon_smem_a.py).
 The sixth session's probe kernels that the package kernel grew from (a cp.async form with optional
 one-barrier ring and asm dequantization, and the first TMA form, both with x permuted by torch and
 one K-step per loop iteration, hence the A-register race of item 58 at BM ≥ 64) are in git history
@@ -26,31 +28,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# quantkit.kernels.gluon_gemm (TMA form, x permuted by one Triton launch): BM, stages, rows, split-K
-# run 58's eight, then two queued for the next GPU session (compiled here, not run: 167 / 175 registers,
-# no spills; BM = 256 spills 348 bytes with two A-register sets and is left out)
-GG_CONFIGS = [(32, 6, 64, 1), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 128, 1), (32, 6, 64, 2), (32, 6, 64, 4),
-              (64, 4, 64, 4), (128, 4, 128, 1), (128, 3, 64, 1), (128, 3, 128, 1)]
+# quantkit.kernels.gluon_gemm: (BM, stages, weight rows per program, split-K), timed at M ≤ 64 (SMALL)
+# or M ≥ 96 (LARGE). Split-K adds the partial sums in the same launch (the last program of each output
+# tile, item 63); runs 57–59 timed the earlier split-K through atomics and two more launches.
+SMALL = [(16, 8, 64, 1), (16, 8, 64, 2), (16, 8, 64, 4), (16, 8, 64, 8), (32, 6, 64, 1), (32, 6, 64, 2),
+         (32, 6, 64, 4), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 64, 2), (64, 4, 64, 4), (64, 4, 128, 2)]
+LARGE = [(64, 3, 64, 1), (128, 3, 64, 1), (128, 2, 64, 1), (128, 4, 128, 1), (128, 2, 128, 1), (128, 3, 64, 2),
+         (128, 2, 64, 2)]
 
 
-# bench/gluon_smem_a.py (A operand through shared memory, x unpermuted; queued, compiled here, not run):
-# BM, stages, rows
-SA_CONFIGS = [(16, 8, 64), (32, 6, 64), (64, 3, 64), (64, 4, 64), (128, 3, 64), (256, 2, 64), (128, 2, 128), (256, 2, 128)]
-
-
-def _variants():
-    """(label, fn(x, mw, out)) for every configuration."""
-    from bench.gluon_smem_a import gemm_sa
+def _variants(m: int | None = None):
+    """(label, fn(x, mw, out)) for every configuration timed at M rows of x (all of them for None)."""
     from quantkit.kernels import gluon_gemm
 
-    out = [(f"gg{cfg}", lambda x, mw, o, cfg=cfg: gluon_gemm.gemm(x, mw, None, o, *cfg)) for cfg in GG_CONFIGS]
-    return out + [(f"sa{cfg}", lambda x, mw, o, cfg=cfg: gemm_sa(x, mw, None, o, *cfg)) for cfg in SA_CONFIGS]
+    configs = SMALL + [c for c in LARGE if c not in SMALL] if m is None else SMALL if m <= 64 else LARGE
+    return [(f"gg{cfg}", lambda x, mw, o, cfg=cfg: gluon_gemm.gemm(x, mw, None, o, *cfg)) for cfg in configs]
 
 
 def main() -> None:
     from bench.kernel_timing import graph_us, rel_err
     from bench.kernels_mma import _rings, random_mw, reference
-    from bench.gluon_smem_a import gemm_sa
     from quantkit.kernels import dispatch, gluon_gemm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,7 +80,8 @@ def main() -> None:
             variants = _variants() + [("gg(32, 6, 64)+bias", lambda x, mw, o: gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64)
                                        - bias), ("gg(32, 6, 64, 4)+bias", lambda x, mw, o:
                                                  gluon_gemm.gemm(x, mw, bias, o, 32, 6, 64, 4) - bias),
-                                      ("sa(128, 3, 64)+bias", lambda x, mw, o: gemm_sa(x, mw, bias, o, 128, 3, 64) - bias)]
+                                      ("gg(16, 8, 64, 8)+bias", lambda x, mw, o:
+                                       gluon_gemm.gemm(x, mw, bias, o, 16, 8, 64, 8) - bias)]
             for label, fn in variants:
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
                 try:
@@ -107,21 +105,21 @@ def main() -> None:
             row["permute_us"] = graph_us([lambda: gluon_gemm.permute_torch(x)])
             xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(4)]
             row["permute_triton_us"] = graph_us([lambda xi=xi: gluon_gemm.permute_x(xi) for xi in xs])
-            for label, fn in _variants():
+            for label, fn in _variants(m):
                 try:
                     row[label] = graph_us([lambda mw=mw, fn=fn: fn(x, mw, None) for mw in ring])
                 except Exception as exc:
                     row[label] = float("nan")
                     print(f"{shape} M={m} {label}: {exc!r}"[:200], flush=True)
-            labels = [label for label, _ in _variants()]
+            labels = [label for label, _ in _variants(m)]
             best = min((row[label], label) for label in labels if row[label] == row[label])
             rows.append(row)
             if args.out:  # after every row, in case the run is cut short
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / "gluon_probe.json").write_text(json.dumps({"check_failures": fails, "worst": worst,
                                                                        "rows": rows}, indent=1))
-            print(f"{shape:7} M={m:4} fp16 {row['fp16_us']:6.1f} dispatch {row['dispatch_us']:6.1f} gluon "
-                  + " ".join(f"{row[label]:6.1f}" for label in labels)
+            print(f"{shape:7} M={m:4} fp16 {row['fp16_us']:6.1f} dispatch {row['dispatch_us']:6.1f} ("
+                  + f"{choice.method} {choice.params}) " + " ".join(f"{label} {row[label]:.1f}" for label in labels)
                   + f" -> best {best[1]} {row['fp16_us'] / best[0]:.2f}x fp16 "
                   f"(dispatch {row['fp16_us'] / row['dispatch_us']:.2f}x; permute_x {row['permute_us']:.1f}, "
                   f"Triton {row['permute_triton_us']:.1f})", flush=True)

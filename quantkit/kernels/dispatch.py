@@ -6,7 +6,7 @@ the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
   runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
   in BENCHMARKS.md and bench/KERNELS_NOTES.md); on Hopper, 4-bit weights with fp16 activations, the
-  Gluon GEMM (gluon_gemm) takes 16 < M ≤ 256 where it measured faster (`gluon_choice`). Each layer
+  Gluon GEMM (gluon_gemm) takes 16 < M ≤ 512 where it measured faster (`gluon_choice`). Each layer
   keeps its GEMV launches per M and dtype (`gemv_launch`), which after the first call skip Triton's
   argument binding: an eager call costs about a quarter of the host time it did
   (bench/launch_overhead.py);
@@ -101,34 +101,52 @@ def choose(bits: int, m: int) -> Choice:
 
 def gluon_choice(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
     """The Gluon W4 GEMM's configuration for M rows of x, N outputs and K inputs, or None where the mma
-    GEMV (M ≤ 64) or dequantize + cuBLAS (M > 256) is faster. Measured on the H200 (run 58 of
-    bench/KERNELS_NOTES.md, `bench/gluon_probe.py`, four Llama-2-7B shapes, M ∈ {16, 32, 48, 64, 96,
-    128, 192, 256}, CUDA-graph medians, x permutation included; M = 512 and 1024 in run 57): the GEMV
-    keeps M ≤ 16, and M ≤ 32 except on wide layers (gate_up: 28.9 vs 28.9 µs, run 56: 29.5 vs 31.9);
-    narrow layers with long K (down) keep it up to M = 64 (39.1 vs 40.4 µs, split-K included). Elsewhere
-    the GEMM: M = 64 qkv 23.3 µs (GEMV 36.0 before), gate_up 33.2 (73.4); M = 256 qkv 60.2 vs 73.0
-    (dequantize + cuBLAS), gate_up 98.2 vs 127.0; M = 512 qkv 133 vs 104 (cuBLAS). Split-K never won."""
-    if m <= 16 or m > 256:
+    GEMV (M ≤ 32 on most layers) or dequantize + cuBLAS (M > 512) is faster. Measured on the H200 with
+    `bench/gluon_probe.py` (four Llama-2-7B shapes, CUDA-graph medians, x permutation included; runs 61–62
+    of bench/KERNELS_NOTES.md, items 62–63, M ∈ {16, 32, 64, 128, 256, 512, 1024}; run 58 for M = 96):
+    - M ≤ 16: the GEMV everywhere (o 8.3 µs against 11.3 for the best GEMM; qkv 14.8 against 18.9).
+    - M ≤ 32: the GEMM on wide layers (gate_up 28.8 vs 28.9 µs) and, split K ways in one launch, on
+      narrow ones (o 12.2 vs 12.8, down 20.3 vs 24.5); qkv keeps the GEMV (19.5 vs 20.0: level).
+    - M ≤ 64: qkv 23.7 µs (BM 64), gate_up 33.6, o 12.8 (split 2; the GEMV 15.8), down 23.4 (split 4; the
+      GEMV 38.5).
+    - M ≤ 128: 128 rows of x per program: qkv 30.7, gate_up 51.0 (61.0 at BM 64), down split 2 33.7
+      (45.3); o keeps BM 64 (16.4 vs 17.5). Run 58's choices for M ≤ 96 on qkv and gate_up.
+    - M ≤ 512: BM 128; qkv with two ring slots at M ≤ 256 (52.7 vs 55.8 µs), down split 2 (50.3 vs
+      54.2); at M = 512 BM 128 and three slots everywhere, 1–12 % faster than dequantize + cuBLAS
+      (qkv 93.6 vs 103.3 µs, gate_up 188.6 vs 189.7), which takes M = 1024 (qkv 174 vs 180).
+    A choice measured at M holds below it down to the previous measured M: the GEMM's time follows the
+    number of BM-row tiles of x."""
+    if m <= 16 or m > 512:
         return None
     rows = triton.cdiv(n, 16)
     narrow, wide = rows <= 2 * sms, rows > 6 * sms
+    long_k = k > 8192
 
-    def g(bm: int, stages: int, rows_per_program: int = 64) -> Choice:
-        return Choice("gluon", dict(bm=bm, stages=stages, rows=rows_per_program))
+    def g(bm: int, stages: int, rows_per_program: int = 64, split: int = 1) -> Choice:
+        p = dict(bm=bm, stages=stages, rows=rows_per_program)
+        if split > 1:
+            p["split"] = split
+        return Choice("gluon", p)
 
     if m <= 32:
+        if narrow:
+            return g(32, 6, 64, 4 if long_k else 2)
         return g(32, 6) if wide else None
     if m <= 64:
         if narrow:
-            return None if k > 8192 else g(32, 6)
+            return g(64, 4, 64, 4 if long_k else 2)
         return g(64, 3) if wide else g(64, 4)
     if m <= 128:
         if narrow:
-            return g(64, 4)
+            return g(128, 3, 64, 2) if long_k else g(64, 4)
         if m <= 96:
             return g(64, 4, 128) if wide else g(128, 4, 128)
-        return g(64, 3)
-    return g(128, 4, 128) if wide and m > 192 else g(64, 3)
+        return g(128, 3)
+    if m <= 256:
+        if narrow and long_k:
+            return g(128, 3, 64, 2)
+        return g(128, 3) if narrow or wide else g(128, 2)
+    return g(128, 3)
 
 
 def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: int = 0,

@@ -139,12 +139,16 @@ if gluon is not None:
         return acc, s, z
 
     @gluon.jit
-    def w4_gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, group_size: gl.constexpr,
-                       BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       SPLIT: gl.constexpr, words_l: gl.constexpr):
+    def w4_gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KT, G,
+                       group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, words_l: gl.constexpr):
         """out[m, n] = Σ_k x[m, k] · W[n, k] (+ b[n]) for the program's ROWS weight rows and BM rows of x.
         x_desc: x permuted (`permute_x`), [M, KT · 128] fp16, boxes [BM, 128]; w_desc: the words, boxes of
-        [ROWS / 16 row tiles, 256 words] (one K-tile of ROWS rows, row-major [ROWS, 16])."""
+        [ROWS / 16 row tiles, 256 words] (one K-tile of ROWS rows, row-major [ROWS, 16]).
+        SPLIT > 1: the programs of grid axis 2 share K; each writes its fp32 partial sums to
+        ws_ptr[pid_k] ([SPLIT, M, N]) and counts itself in cnt_ptr[output tile] (int32, zero before the
+        launch); the last to arrive adds the others' partials, the bias, writes out and sets the count
+        back to zero for the next launch."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         per = gl.cdiv(KT, SPLIT)  # SPLIT > 1: this program's K-tiles k0 … k0 + NK − 1, fp32 sums added
@@ -192,12 +196,25 @@ if gluon is not None:
         ocol = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         ptrs = out_ptr + ocol.to(gl.int64)[None, :] * N + orow[:, None]
         omask = (orow < N)[:, None] & (ocol < M)[None, :]
-        if SPLIT == 1:
+        if SPLIT > 1:
+            pid_k = gl.program_id(2)
+            part = ocol.to(gl.int64)[None, :] * N + orow[:, None]
+            gl.store(ws_ptr + pid_k * M * N + part, acc, mask=omask)
+            _barrier()  # every warp's partial sums are written before the count (release, GPU scope)
+            tile = cnt_ptr + pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:  # the last program of this output tile: the others' sums are visible
+                for j in gl.static_range(SPLIT):
+                    acc += gl.load(ws_ptr + j * M * N + part, mask=omask & (j != pid_k), other=0.0,
+                                   cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc = acc + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
+                gl.store(ptrs, acc.to(gl.float16), mask=omask)
+                gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+        else:
             if HAS_BIAS:
                 acc = acc + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
             gl.store(ptrs, acc.to(gl.float16), mask=omask)
-        else:
-            gl.atomic_add(ptrs, acc, mask=omask)
 
     def words_layout(rows: int) -> gl.DistributedLinearLayout:
         """The [rows, 16] word tile's register layout: thread (g, t) of warp w holds rows 16·w + g and
@@ -240,14 +257,32 @@ def _w_desc(mw: MmaWeights, rows: int):
     return descs[rows]
 
 
+# Split-K arrival counts, one int32 per output tile, per device: zeroed once, and every launch leaves
+# them zero (the last program of each tile resets its count). Launches that use them run one at a time
+# on one stream (a forward pass, eager or replayed from a CUDA graph).
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+MAX_SPLIT_TILES = 1 << 16
+
+
+def split_counts(device: torch.device) -> torch.Tensor | None:
+    """The device's split-K counts, made on first use; None while a CUDA graph is being captured before
+    they exist (an allocation then would belong to the graph's memory pool: the caller does not split)."""
+    counts = _COUNTS.get(device)
+    if counts is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counts
+
+
 def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor:
     """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4-bit weights in the mma layout (`supports`):
     x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch (`out`, if given,
-    may be strided: it is then written through a copy). bm: rows of x
-    per program (16, 32 or 64); stages: ring slots; rows: weight rows per program (64 per warpgroup);
-    split: programs sharing each output tile's K (fp32 sums added into a zeroed buffer, then converted:
-    two more launches, for layers too narrow to fill the GPU)."""
+    may be strided: it is then written through a copy). bm: rows of x per program (16 … 128); stages:
+    ring slots; rows: weight rows per program (64 per warpgroup); split: programs sharing each output
+    tile's K, for layers too narrow to fill the GPU (fp32 partial sums through a [split, M, N] workspace,
+    added by the last program of each tile, in the same launch)."""
     m = x.shape[0]
     n = mw.out_features
     if out is not None and not out.is_contiguous():  # the kernel writes rows N apart
@@ -256,15 +291,16 @@ def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out:
     if out is None:
         out = torch.empty(m, n, dtype=torch.float16, device=x.device)
     kt = xp.shape[1] // TILE_K
-    split = max(1, min(split, kt))
-    dst = out if split == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm), max(1, min(split, kt)))
+    counts = split_counts(x.device) if grid[2] > 1 and grid[0] * grid[1] <= MAX_SPLIT_TILES else None
+    if counts is None:
+        grid = grid[:2] + (1,)
+    ws = torch.empty(grid[2], m, n, dtype=torch.float32, device=x.device) if grid[2] > 1 else out
     x_desc = TensorDescriptor.from_tensor(xp, [bm, TILE_K], _X_LAYOUT)
-    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm), split)
-    _GEMM(grid, (x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, dst, m, n, kt,
-                 mw.scales.shape[1], mw.group_size, bm, stages, rows, bias is not None, split, _WORDS_L[rows]),
+    _GEMM(grid, (x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
+                 counts if counts is not None else out, m, n, kt, mw.scales.shape[1], mw.group_size, bm, stages, rows,
+                 bias is not None, grid[2], _WORDS_L[rows]),
           num_warps=rows // 16)
-    if split > 1:
-        out.copy_(dst if bias is None else dst + bias.float())
     return out
 
 

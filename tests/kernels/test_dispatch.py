@@ -36,19 +36,23 @@ def test_mma_choice_row_tiles_and_pdl():
 def test_gluon_choice_by_shape_and_rows_of_x():
     qkv, o, gate_up, down = (4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)
     for k, n in (qkv, o, gate_up, down):
-        for m in (1, 16, 257, 1024):  # the GEMV below, dequantize + cuBLAS above
+        for m in (1, 16, 513, 1024):  # the GEMV below, dequantize + cuBLAS above
             assert dispatch.gluon_choice(m, n, k) is None
     assert dispatch.gluon_choice(32, gate_up[1], 4096).params == dict(bm=32, stages=6, rows=64)
     assert dispatch.gluon_choice(32, qkv[1], 4096) is None
-    assert dispatch.gluon_choice(64, down[1], down[0]) is None  # narrow, long K: the GEMV up to 64
-    assert dispatch.gluon_choice(64, o[1], o[0]).params["bm"] == 32
+    assert dispatch.gluon_choice(32, o[1], o[0]).params == dict(bm=32, stages=6, rows=64, split=2)
+    assert dispatch.gluon_choice(64, down[1], down[0]).params["split"] == 4  # narrow, long K: split deeper
+    assert dispatch.gluon_choice(64, o[1], o[0]).params == dict(bm=64, stages=4, rows=64, split=2)
     assert dispatch.gluon_choice(64, qkv[1], 4096).params == dict(bm=64, stages=4, rows=64)
     assert dispatch.gluon_choice(64, gate_up[1], 4096).params["stages"] == 3
     assert dispatch.gluon_choice(96, qkv[1], 4096).params == dict(bm=128, stages=4, rows=128)
     assert dispatch.gluon_choice(96, gate_up[1], 4096).params == dict(bm=64, stages=4, rows=128)
-    assert dispatch.gluon_choice(128, down[1], down[0]).params["bm"] == 64
-    assert dispatch.gluon_choice(256, gate_up[1], 4096).params["bm"] == 128
-    assert dispatch.gluon_choice(256, qkv[1], 4096).params == dict(bm=64, stages=3, rows=64)
+    assert dispatch.gluon_choice(128, down[1], down[0]).params == dict(bm=128, stages=3, rows=64, split=2)
+    assert dispatch.gluon_choice(128, o[1], o[0]).params == dict(bm=64, stages=4, rows=64)
+    assert dispatch.gluon_choice(256, gate_up[1], 4096).params == dict(bm=128, stages=3, rows=64)
+    assert dispatch.gluon_choice(256, qkv[1], 4096).params == dict(bm=128, stages=2, rows=64)
+    assert dispatch.gluon_choice(512, down[1], down[0]).params == dict(bm=128, stages=3, rows=64)
+    assert dispatch.gluon_choice(513, qkv[1], 4096) is None  # dequantize + cuBLAS
 
 
 def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
