@@ -76,7 +76,8 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             choice = dispatch.choice_for(kws[0], m, x.device)
-            named = (("w", "num_warps"), ("t", "tiles"), ("b", "bm"), ("s", "stages"), ("r", "rows"))
+            named = (("w", "num_warps"), ("t", "tiles"), ("b", "bm"), ("s", "stages"), ("r", "rows"),
+                     ("split", "split"))
             params = "".join(f" {a}{choice.params[key]}" for a, key in named if choice.params.get(key))
             row = {"shape": shape, "K": k, "N": n, "bits": bits, "m": m,
                    "kernel": choice.method + params + (" pdl" if choice.params.get("pdl") else ""),
@@ -86,7 +87,7 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
                 xb = x.bfloat16()
                 row["int4"] = measure(lambda p: torch._weight_int4pack_mm(xb, p[0], 128, p[1]), i4, i4_bytes, m, k, n)
             pdl_choice = dispatch.mma_choice(bits, m, n, pdl=True) if isinstance(kws[0], MmaWeights) else choice
-            if pdl_choice.params.get("pdl") and not choice.params.get("pdl"):
+            if choice.method == "mma" and pdl_choice.params.get("pdl") and not choice.params.get("pdl"):
                 # the opt-in (QUANTKIT_PDL=1): programmatic dependent launch, back to back
                 row["ours_pdl"] = measure(lambda kw: dispatch.run(x, kw, None, pdl_choice), kws, kws[0].nbytes, m, k, n)
             if choice.params.get("pdl"):  # the same kernel launched without programmatic dependent launch

@@ -10,8 +10,8 @@ QuantLinear loop (top functions by own time). Before timing it checks the kept l
 direct path) against Triton's front end: new x every call, M in {1, 3, 16, 64}, a strided output
 (back to the front end), replay from a CUDA graph, QuantLinear against its dequantized weight.
 
---gluon (seventh session; queued, not run): the same for the Gluon GEMM's eager call at M = 64 on the
-qkv shape — the whole call, and its parts (the permute launch, the TMA descriptor, allocations, the
+--gluon [--shape qkv --m 64]: the same for the Gluon GEMM's eager call (run 61: 67.7 µs per call at
+M = 64 on qkv, beside 29.9 for fp16 and 36.7 for the GEMV) — the whole call, and its parts (the permute launch, the TMA descriptor, allocations, the
 GEMM launch with prebuilt arguments), beside fp16 F.linear and the mma GEMV's kept launch; after a
 check that the call replayed from a CUDA graph (new x copied in) matches the eager call.
 """
@@ -93,12 +93,13 @@ def check(layer: QuantLinear) -> int:
     return bad
 
 
-def gluon_parts(calls: int, profile: bool) -> int:
+def gluon_parts(calls: int, profile: bool, shape: str = "qkv", m: int = 64) -> int:
     """The Gluon GEMM's eager call and its parts, µs per call (printed); returns check failures."""
+    from bench.kernel_candidates import SHAPES
     from bench.kernels_mma import random_mw
     from quantkit.kernels import gluon_gemm
 
-    k, n, m = 4096, 12288, 64
+    k, n = SHAPES[shape]
     mw = random_mw(k, n, 4, 128)
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     w16 = torch.randn(n, k, device="cuda", dtype=torch.float16)
@@ -123,9 +124,12 @@ def gluon_parts(calls: int, profile: bool) -> int:
     xp = gluon_gemm.permute_x(x)
     out = torch.empty(m, n, device="cuda", dtype=torch.float16)
     desc = TensorDescriptor.from_tensor(xp, [p["bm"], gluon_gemm.TILE_K], gluon_gemm._X_LAYOUT)
-    grid = (triton.cdiv(n, p["rows"]), triton.cdiv(m, p["bm"]), 1)
-    gargs = (desc, gluon_gemm._w_desc(mw, p["rows"]), mw.scales, mw.zeros, out, out, m, n, k // 128, mw.scales.shape[1],
-             128, p["bm"], p["stages"], p["rows"], False, 1, gluon_gemm._WORDS_L[p["rows"]])
+    split = p.get("split", 1)
+    grid = (triton.cdiv(n, p["rows"]), triton.cdiv(m, p["bm"]), split)
+    ws = torch.empty(split, m, n, device="cuda", dtype=torch.float32) if split > 1 else out
+    counts = gluon_gemm.split_counts(x.device) if split > 1 else out
+    gargs = (desc, gluon_gemm._w_desc(mw, p["rows"]), mw.scales, mw.zeros, out, out, ws, counts, m, n, k // 128,
+             mw.scales.shape[1], 128, p["bm"], p["stages"], p["rows"], False, split, gluon_gemm._WORDS_L[p["rows"]])
     gemv = triton_mma.GemvLaunch(mw, None, m, x.device, **dispatch.mma_choice(4, m, n).params)
     rows = {
         "fp16 F.linear": per_call_us(lambda: F.linear(x, w16), calls),
@@ -157,10 +161,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
     ap.add_argument("--profile", action="store_true", help="cProfile the QuantLinear loop")
-    ap.add_argument("--gluon", action="store_true", help="the Gluon GEMM's eager call at M = 64 instead")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon GEMM's eager call instead (--shape, --m)")
+    ap.add_argument("--shape", default="qkv", help="with --gluon: the Llama-2-7B linear (qkv, o, gate_up, down)")
+    ap.add_argument("--m", type=int, default=64, help="with --gluon: rows of x (17 … 512)")
     args = ap.parse_args()
     if args.gluon:
-        raise SystemExit(gluon_parts(args.calls, args.profile))
+        raise SystemExit(gluon_parts(args.calls, args.profile, args.shape, args.m))
     k = n = 4096
     layer = random_layer(k, n)
     x = torch.randn(1, k, device="cuda", dtype=torch.float16)
