@@ -57,6 +57,7 @@ def main() -> None:
                     help="only launch the variant LABEL (as printed, e.g. 'gg(64, 4, 64, 1)') five times on "
                          "--shape at the first of --ms, for Nsight Compute (bench/gluon_profile.sh)")
     ap.add_argument("--shape", default="qkv", help="with --launch: the Llama-2-7B linear")
+    ap.add_argument("--check-only", action="store_true", help="only the correctness check")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     if args.launch:
@@ -94,7 +95,17 @@ def main() -> None:
                 per.setdefault(label, []).append(f"{k}x{n} M={m}: {err:.1e}")
     for label, errs in per.items():
         print(f"check {label}: " + ", ".join(errs), flush=True)
+    # split K: the same bits on every call, whichever program of a tile arrives last
+    mw = random_mw(11008, 4096, 4, 128)
+    x = torch.randn(64, 11008, device="cuda", dtype=torch.float16)
+    for cfg in [c for c in SMALL + LARGE if c[3] > 1]:
+        first = gluon_gemm.gemm(x, mw, None, None, *cfg)
+        same = all(torch.equal(first, gluon_gemm.gemm(x, mw, None, None, *cfg)) for _ in range(30))
+        fails += not same
+        print(f"check gg{cfg} reproducible over 31 calls: {same}", flush=True)
     print(f"check: {sum(map(len, per.values()))} cases, {fails} failures, worst {worst:.2e}", flush=True)
+    if args.check_only:
+        raise SystemExit(1 if fails else 0)
     rows = []
     for bits, _, shape, k, n, ring, fp16 in _rings([(4, ms)]):
         for m in ms:

@@ -288,12 +288,18 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
     return triton_gemm.gemm(x2d, kw, bias, split_k=split, **p)
 
 
+def gluon_enabled() -> bool:
+    """Whether the Gluon GEMM may be chosen: unless QUANTKIT_GLUON=0 (then the GEMV and dequantize +
+    cuBLAS take its rows of M, as before it existed)."""
+    return os.environ.get("QUANTKIT_GLUON", "1") != "0"
+
+
 def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device,
                dtype: torch.dtype = torch.float16) -> Choice:
     """The kernel for these weights and M rows of `dtype` x: `mma_choice` for the mma layout, else the table."""
     if isinstance(kw, MmaWeights):
         return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device), kw.in_features,
-                          gluon_gemm.supports(kw, dtype, device))
+                          gluon_enabled() and gluon_gemm.supports(kw, dtype, device))
     return choose(kw.bits, m)
 
 

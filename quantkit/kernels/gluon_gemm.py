@@ -147,8 +147,8 @@ if gluon is not None:
         [ROWS / 16 row tiles, 256 words] (one K-tile of ROWS rows, row-major [ROWS, 16]).
         SPLIT > 1: the programs of grid axis 2 share K; each writes its fp32 partial sums to
         ws_ptr[pid_k] ([SPLIT, M, N]) and counts itself in cnt_ptr[output tile] (int32, zero before the
-        launch); the last to arrive adds the others' partials, the bias, writes out and sets the count
-        back to zero for the next launch."""
+        launch); the last to arrive adds all the partials in K order (the same result whichever arrives
+        last), the bias, writes out and sets the count back to zero for the next launch."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         per = gl.cdiv(KT, SPLIT)  # SPLIT > 1: this program's K-tiles k0 … k0 + NK − 1, fp32 sums added
@@ -204,12 +204,15 @@ if gluon is not None:
             tile = cnt_ptr + pid_m * gl.num_programs(0) + pid_n
             arrived = gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT - 1:  # the last program of this output tile: the others' sums are visible
+                # added in the order of K whichever program arrives last, so results are reproducible
+                total = gl.zeros([ROWS, BM], gl.float32, layout=mma)
                 for j in gl.static_range(SPLIT):
-                    acc += gl.load(ws_ptr + j * M * N + part, mask=omask & (j != pid_k), other=0.0,
-                                   cache_modifier=".cg")
+                    other = gl.load(ws_ptr + j * M * N + part, mask=omask & (j != pid_k), other=0.0,
+                                    cache_modifier=".cg")
+                    total += gl.where(pid_k == j, acc, other)
                 if HAS_BIAS:
-                    acc = acc + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
-                gl.store(ptrs, acc.to(gl.float16), mask=omask)
+                    total = total + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
+                gl.store(ptrs, total.to(gl.float16), mask=omask)
                 gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
         else:
             if HAS_BIAS:
