@@ -111,7 +111,7 @@ def main() -> None:
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             row = {"shape": shape, "m": m, "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16])}
-            choice = dispatch.choice_for(ring[0], m, x.device)
+            choice = dispatch.choice_for(ring[0], m, x.device, graphed=True)
             row["dispatch_us"] = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
             row["permute_us"] = graph_us([lambda: gluon_gemm.permute_torch(x)])
             xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(4)]

@@ -75,7 +75,7 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
         kws += [runtime_layout(random_kw(k, n, bits, gs)) for _ in range(ring_size(kws[0].nbytes) - 1)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            choice = dispatch.choice_for(kws[0], m, x.device)
+            choice = dispatch.choice_for(kws[0], m, x.device, graphed=True)
             named = (("w", "num_warps"), ("t", "tiles"), ("b", "bm"), ("s", "stages"), ("r", "rows"),
                      ("split", "split"))
             params = "".join(f" {a}{choice.params[key]}" for a, key in named if choice.params.get(key))

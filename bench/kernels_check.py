@@ -66,7 +66,9 @@ def mma_variants(m: int):
     """(name, fn(x, mw, out)) for the mma layout: the GEMV's configurations, its dequantize, the Gluon
     GEMM's (4-bit, fp16, Hopper) and the runtime's choice (dispatch.mma_choice)."""
     out = [("mma-dequant", lambda x, mw, y: y.copy_(x @ triton_mma.dequantize(mw, x.dtype).t())),
-           ("mma-dispatch", lambda x, mw, y: y.copy_(dispatch.run(x, mw, None, dispatch.choice_for(mw, x.shape[0], x.device))))]
+           ("mma-dispatch", lambda x, mw, y: y.copy_(dispatch.run(x, mw, None, dispatch.choice_for(mw, x.shape[0], x.device)))),
+           ("mma-dispatch-graphed", lambda x, mw, y: y.copy_(dispatch.run(
+               x, mw, None, dispatch.choice_for(mw, x.shape[0], x.device, graphed=True))))]
     if m <= 64:
         for nw, tiles, rows, reg in ((2, 1, 1, None), (4, 2, 1, None), (8, 2, 1, 128), (4, 1, 1, 128), (4, 4, 1, 168),
                                      (4, 1, 2, None), (8, 1, 4, None), (2, 2, 2, 168)):

@@ -294,30 +294,50 @@ def gluon_enabled() -> bool:
     return os.environ.get("QUANTKIT_GLUON", "1") != "0"
 
 
+# Up to this M, an eager call takes the mma GEMV even where the Gluon GEMM is faster on the GPU: the
+# Gluon call costs 74–94 µs of host time (two launches, a TMA descriptor; run 64, launch_overhead.py
+# --gluon, M = 32 and 64) for 12–33 µs of GPU time, so back-to-back eager calls measured 81–94 µs per
+# call against the GEMV's 16–78 (run 63 and run 47 plain columns, all four Llama-2-7B shapes). Inside
+# a CUDA graph the host cost is gone and the GEMM is faster. Above it the GEMM's eager call is level
+# with dequantize + cuBLAS's (81–105 µs against 49–139) and faster graphed, so it is chosen either way.
+EAGER_GEMV_MAX_M = 64
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (False off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device,
-               dtype: torch.dtype = torch.float16) -> Choice:
-    """The kernel for these weights and M rows of `dtype` x: `mma_choice` for the mma layout, else the table."""
+               dtype: torch.dtype = torch.float16, graphed: bool | None = None) -> Choice:
+    """The kernel for these weights and M rows of `dtype` x: `mma_choice` for the mma layout, else the
+    table. graphed: whether the call will run from a CUDA graph (None: whether the stream is capturing
+    now); eager calls leave M ≤ EAGER_GEMV_MAX_M to the GEMV."""
     if isinstance(kw, MmaWeights):
-        return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device), kw.in_features,
-                          gluon_enabled() and gluon_gemm.supports(kw, dtype, device))
+        if graphed is None:
+            graphed = capturing(device)
+        gluon = (gluon_enabled() and (graphed or m > EAGER_GEMV_MAX_M)
+                 and gluon_gemm.supports(kw, dtype, device))
+        return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device), kw.in_features, gluon)
     return choose(kw.bits, m)
 
 
 def gemv_launch(kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, m: int, dtype: torch.dtype,
-                device: torch.device, params: dict | None = None) -> triton_mma.GemvLaunch | None:
+                device: torch.device, params: dict | None = None,
+                graphed: bool = False) -> triton_mma.GemvLaunch | None:
     """The layer's kept mma GEMV launch for M rows of `dtype` activations with `params` (default: the
-    dispatch's choice), made at the first call; None where the mma GEMV does not run it (M > 64, a
-    dtype or layout it does not take, or the dispatch chooses another kernel). Kept on the kernel
-    weights, so a layer moved to another device, whose kernel weights are rebuilt, starts afresh;
-    remade if the bias tensor changes."""
+    dispatch's choice for an eager or, with `graphed`, a CUDA-graph call), made at the first call; None
+    where the mma GEMV does not run it (M > 64, a dtype or layout it does not take, or the dispatch
+    chooses another kernel). Kept on the kernel weights, so a layer moved to another device, whose
+    kernel weights are rebuilt, starts afresh; remade if the bias tensor changes."""
     if not isinstance(kw, MmaWeights) or m > 64:
         return None
     launches = kw.__dict__.setdefault("launches", {})
-    key = (m, dtype) if params is None else (m, dtype, tuple(sorted(params.items())))
+    key = (m, dtype, graphed) if params is None else (m, dtype, tuple(sorted(params.items())))
     launch = launches.get(key)
     if launch is None or (launch and launch.bias is not bias):
         if params is None:
-            choice = choice_for(kw, m, device, dtype)
+            choice = choice_for(kw, m, device, dtype, graphed)
             params = choice.params if choice.method == "mma" else None
         launch = False
         if params is not None and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
@@ -331,9 +351,11 @@ def quant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     kw = kernel_weights(layer, x.device, dtype=x.dtype)
     shape = x.shape
     x2d = x.reshape(-1, shape[-1])
-    launch = gemv_launch(kw, layer.bias, x2d.shape[0], x2d.dtype, x.device)
+    # the capture state only matters where the Gluon GEMM can be chosen (M > 16); asking costs host time
+    graphed = x2d.shape[0] > 16 and capturing(x.device)
+    launch = gemv_launch(kw, layer.bias, x2d.shape[0], x2d.dtype, x.device, graphed=graphed)
     if launch is not None:
         y = launch(x2d)
     else:
-        y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device, x2d.dtype))
+        y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device, x2d.dtype, graphed))
     return y.reshape(*shape[:-1], kw.out_features)

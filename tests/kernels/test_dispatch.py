@@ -67,6 +67,26 @@ def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
     assert dispatch.choice_for(mw, 64, torch.device("cpu")).method == "mma"
 
 
+def test_choice_for_leaves_eager_small_m_to_the_gemv(monkeypatch):
+    # where the Gluon GEMM could run: from a CUDA graph it takes M = 64; eagerly (its host cost) the
+    # GEMV does, up to EAGER_GEMV_MAX_M; above that the GEMM either way; QUANTKIT_GLUON=0 turns it off
+    monkeypatch.setattr(dispatch.gluon_gemm, "supports", lambda kw, dtype, device: True)
+    monkeypatch.setattr(dispatch, "_sm_count", lambda device: 132)
+    monkeypatch.delenv("QUANTKIT_GLUON", raising=False)
+    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(torch.zeros(12288, 256, dtype=torch.long), 4),
+                                                      torch.ones(12288, 2).half(),
+                                                      torch.zeros(12288, 2, dtype=torch.uint8), 4, 128, 256, 12288))
+    cpu = torch.device("cpu")
+    assert not dispatch.capturing(cpu)
+    assert dispatch.choice_for(mw, 64, cpu, graphed=True).method == "gluon"
+    assert dispatch.choice_for(mw, 64, cpu, graphed=False).method == "mma"
+    assert dispatch.choice_for(mw, 64, cpu).method == "mma"  # not capturing: eager
+    assert dispatch.choice_for(mw, dispatch.EAGER_GEMV_MAX_M + 1, cpu, graphed=False).method == "gluon"
+    monkeypatch.setenv("QUANTKIT_GLUON", "0")
+    assert dispatch.choice_for(mw, 64, cpu, graphed=True).method == "mma"
+    assert dispatch.choice_for(mw, 200, cpu, graphed=True).method == "dequant+cublas"
+
+
 def _mma_layer(n: int, k: int, seed: int):
     """A random W4 g128 layer in the mma layout, its dequantized weight [N, K] and the generator."""
     g = torch.Generator().manual_seed(seed)
