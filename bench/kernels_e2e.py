@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.kernel_timing import graph_us, plain_us, rel_err
+from quantkit.kernels.capture import graph_warmup
 
 
 def build_checkpoint(work: Path, layers: int):
@@ -115,7 +116,7 @@ def main() -> None:
     os.environ["QUANTKIT_KERNEL"] = "triton"
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), graph_warmup():  # the kernels the capture will launch, compiled first
         call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()

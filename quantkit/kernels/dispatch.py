@@ -27,6 +27,7 @@ import torch
 import triton
 
 from quantkit.kernels import gluon_gemm, triton_gemm, triton_gemv, triton_mma
+from quantkit.kernels.capture import capturing
 from quantkit.kernels.launch import interpreted
 from quantkit.kernels.triton_layout import KernelWeights, from_module
 from quantkit.kernels.triton_mma import MmaWeights
@@ -301,11 +302,6 @@ def gluon_enabled() -> bool:
 # a CUDA graph the host cost is gone and the GEMM is faster. Above it the GEMM's eager call is level
 # with dequantize + cuBLAS's (81–105 µs against 49–139) and faster graphed, so it is chosen either way.
 EAGER_GEMV_MAX_M = 64
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream is capturing a graph (False off CUDA)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device,

@@ -1,4 +1,4 @@
-"""W4 GEMM for 16 < M ≤ 256 on Hopper, written in Gluon (Triton's explicit-layout dialect): the mma
+"""W4 GEMM for 16 < M ≤ 512 on Hopper, written in Gluon (Triton's explicit-layout dialect): the mma
 layout's words (triton_mma) become the wgmma A operand in registers, x the B operand from shared memory.
 
 A program owns `rows` weight rows (64 per warpgroup of 4 warps) and a tile of BM rows of x, and walks
@@ -19,11 +19,12 @@ gathering x pair by pair in the kernel (4-byte cp.async) made the GEMM 17–27 %
 x tiles and word tiles go through a ring of `stages` shared-memory slots filled by the copy engine
 (TMA), `stages − 1` tiles ahead, one mbarrier per slot; the wgmma of step t runs asynchronously while
 step t + 1's words are dequantized (one group in flight), so consecutive steps must hold their A
-operands in different registers: the K loop runs two steps per iteration (item 58). fp32 accumulation, fp16 output, optional
-bias. 4-bit weights, group sizes that are multiples of 128 (or one group per row), fp16 activations;
+operands in different registers: the K loop runs two steps per iteration (item 58). fp32 accumulation,
+fp16 output, optional bias. Layers too narrow to fill the GPU split K over 2–8 programs per output
+tile, summed by the last of them in the same launch (item 63). 4-bit weights, group sizes that are multiples of 128 (or one group per row), fp16 activations;
 sm_90 only (wgmma, TMA). The Gluon API is experimental: this module is written against the Triton 3.6
 and 3.9 spellings and reports itself unavailable where the import fails. Figures: BENCHMARKS.md
-("Kernels") and bench/KERNELS_NOTES.md, items 51–60.
+("Kernels") and bench/KERNELS_NOTES.md, items 51–66.
 """
 
 from __future__ import annotations

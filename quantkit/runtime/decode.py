@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from quantkit.kernels.capture import graph_warmup
+
 log = logging.getLogger(__name__)
 
 
@@ -122,8 +124,11 @@ class StaticDecoder:
         self.valid[:, self.length] = True
         self.length += 1
         self.steps += 1
-        if not self.use_graph or self.steps == 1:  # eager; on the GPU the first step also warms up the kernels
+        if not self.use_graph:
             return self._forward(self.ids, self.positions, self.cache_position)
+        if self.steps == 1:  # eager, warming up the kernels the capture will launch
+            with graph_warmup():
+                return self._forward(self.ids, self.positions, self.cache_position)
         if self.graph is None:
             graph = torch.cuda.CUDAGraph()
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels import dispatch, triton_mma
+from quantkit.kernels import capture, dispatch, triton_mma
 from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
 
 
@@ -82,6 +82,8 @@ def test_choice_for_leaves_eager_small_m_to_the_gemv(monkeypatch):
     assert dispatch.choice_for(mw, 64, cpu, graphed=False).method == "mma"
     assert dispatch.choice_for(mw, 64, cpu).method == "mma"  # not capturing: eager
     assert dispatch.choice_for(mw, dispatch.EAGER_GEMV_MAX_M + 1, cpu, graphed=False).method == "gluon"
+    with capture.graph_warmup():  # the warm-up before a capture launches what the capture will
+        assert dispatch.choice_for(mw, 64, cpu).method == "gluon"
     monkeypatch.setenv("QUANTKIT_GLUON", "0")
     assert dispatch.choice_for(mw, 64, cpu, graphed=True).method == "mma"
     assert dispatch.choice_for(mw, 200, cpu, graphed=True).method == "dequant+cublas"

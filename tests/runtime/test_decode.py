@@ -59,6 +59,26 @@ def test_step_logits_match_a_full_forward():
         assert torch.allclose(logits, full[:, 4 + i], atol=1e-4), i
 
 
+def test_first_graphed_step_warms_up_what_the_capture_will_launch(monkeypatch):
+    # the eager step before a capture runs as if graphed (dispatch then compiles and loads the kernels
+    # the graph will use, e.g. the Gluon GEMM that eager calls leave to the GEMV); eager decoding never
+    from quantkit.kernels.capture import capturing
+
+    model = make_tiny_model("llama").eval()
+    ids = torch.randint(3, 300, (2, 5))
+    seen = []
+    for use_graph in (True, False):
+        dec = StaticDecoder(model, 2, 16, use_graph=False)
+        dec.use_graph = use_graph  # as on CUDA; only the first step runs here (no capture on the CPU)
+        with torch.no_grad():
+            dec.prefill(ids, torch.ones_like(ids))
+            real = dec._forward
+            monkeypatch.setattr(dec, "_forward", lambda *a: seen.append(capturing(torch.device("cpu"))) or real(*a))
+            dec.step(ids[:, 0])
+    assert seen == [True, False]
+    assert not capturing(torch.device("cpu"))
+
+
 def test_sampling_settings():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 4.9]])
     assert sample(logits, Sampling()).tolist() == [1, 0]
