@@ -32,7 +32,10 @@ import torch.nn.functional as F
 # or M ≥ 96 (LARGE). Split-K adds the partial sums in the same launch (the last program of each output
 # tile, item 63); runs 57–59 timed the earlier split-K through atomics and two more launches.
 SMALL = [(16, 8, 64, 1), (16, 8, 64, 2), (16, 8, 64, 4), (16, 8, 64, 8), (32, 6, 64, 1), (32, 6, 64, 2),
-         (32, 6, 64, 4), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 64, 2), (64, 4, 64, 4), (64, 4, 128, 2)]
+         (32, 6, 64, 4), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 64, 2), (64, 4, 64, 4), (64, 4, 128, 2),
+         # queued (not run): smaller rings, so more programs share an SM (run 53: 1.5 active warps per
+         # scheduler at M = 64); 37–74 KB of shared memory, 119–128 registers, no spills (sm_90a, Triton 3.6)
+         (64, 2, 64, 1), (32, 3, 64, 1), (32, 4, 64, 1), (64, 3, 128, 1)]
 LARGE = [(64, 3, 64, 1), (128, 3, 64, 1), (128, 2, 64, 1), (128, 4, 128, 1), (128, 2, 128, 1), (128, 3, 64, 2),
          (128, 2, 64, 2)]
 
