@@ -21,8 +21,8 @@ x tiles and word tiles go through a ring of `stages` shared-memory slots filled 
 step t + 1's words are dequantized (one group in flight), so consecutive steps must hold their A
 operands in different registers: the K loop runs two steps per iteration (item 58). fp32 accumulation,
 fp16 output, optional bias. Layers too narrow to fill the GPU split K over 2–8 programs per output
-tile, summed by the last of them in the same launch (item 63). 4-bit weights, group sizes that are multiples of 128 (or one group per row), fp16 activations;
-sm_90 only (wgmma, TMA). The Gluon API is experimental: this module is written against the Triton 3.6
+tile, summed by the last of them in the same launch (item 63). 4-bit weights, group sizes that are
+multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA). The Gluon API is experimental: this module is written against the Triton 3.6
 and 3.9 spellings and reports itself unavailable where the import fails. Figures: BENCHMARKS.md
 ("Kernels") and bench/KERNELS_NOTES.md, items 51–66.
 """
