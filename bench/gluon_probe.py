@@ -1,6 +1,6 @@
 """Configurations of the Gluon W4 GEMM (quantkit/kernels/gluon_gemm.py) against the dispatch and fp16.
 
-    PYTHONPATH=. python bench/gluon_probe.py [--ms 16,32,48,64,96,128,192,256] [--out DIR]
+    PYTHONPATH=. python bench/gluon_probe.py [--ms 16,32,48,64,96,128,192,256] [--bits 4|8] [--out DIR]
 
 First a correctness check of every configuration (K × N = 4096 × 1000, 4096 × 4096, 11008 × 4096,
 200 × 136 with one group per row, 1024 × 520 with g256; M = 1, 16, 17, 77, 300; bias and split-K
@@ -61,14 +61,19 @@ def main() -> None:
                          "--shape at the first of --ms, for Nsight Compute (bench/gluon_profile.sh)")
     ap.add_argument("--shape", default="qkv", help="with --launch: the Llama-2-7B linear")
     ap.add_argument("--check-only", action="store_true", help="only the correctness check")
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8),
+                    help="weight bits (8: per-channel scales in the timings, as bench/kernels.py; the Gluon "
+                         "GEMM is not in the dispatch for 8 bits, the dispatch column is the GEMV or cuBLAS)")
     args = ap.parse_args()
+    bits = args.bits
+    timing_gs = 128 if bits == 4 else -1
     ms = [int(v) for v in args.ms.split(",")]
     if args.launch:
         from bench.kernel_candidates import SHAPES
 
         k, n = SHAPES[args.shape]
         fn = dict(_variants())[args.launch]
-        mw = random_mw(k, n, 4, 128)
+        mw = random_mw(k, n, bits, timing_gs)
         x = torch.randn(ms[0], k, device="cuda", dtype=torch.float16)
         for _ in range(5):
             fn(x, mw, None)
@@ -76,7 +81,7 @@ def main() -> None:
         return
     fails, worst, per = 0, 0.0, {}
     for k, n, gs in ((4096, 1000, 128), (4096, 4096, 128), (11008, 4096, 128), (200, 136, -1), (1024, 520, 256)):
-        mw = random_mw(k, n, 4, gs)
+        mw = random_mw(k, n, bits, gs)
         bias = torch.randn(n, device="cuda", dtype=torch.float16)
         for m in (1, 16, 17, 77, 300):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -99,7 +104,7 @@ def main() -> None:
     for label, errs in per.items():
         print(f"check {label}: " + ", ".join(errs), flush=True)
     # split K: the same bits on every call, whichever program of a tile arrives last
-    mw = random_mw(11008, 4096, 4, 128)
+    mw = random_mw(11008, 4096, bits, 128)
     x = torch.randn(64, 11008, device="cuda", dtype=torch.float16)
     for cfg in [c for c in SMALL + LARGE if c[3] > 1]:
         first = gluon_gemm.gemm(x, mw, None, None, *cfg)
@@ -110,7 +115,7 @@ def main() -> None:
     if args.check_only:
         raise SystemExit(1 if fails else 0)
     rows = []
-    for bits, _, shape, k, n, ring, fp16 in _rings([(4, ms)]):
+    for _, _, shape, k, n, ring, fp16 in _rings([(bits, ms)]):
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             row = {"shape": shape, "m": m, "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16])}
@@ -130,8 +135,8 @@ def main() -> None:
             rows.append(row)
             if args.out:  # after every row, in case the run is cut short
                 args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "gluon_probe.json").write_text(json.dumps({"check_failures": fails, "worst": worst,
-                                                                       "rows": rows}, indent=1))
+                (args.out / f"gluon_probe_w{bits}.json").write_text(json.dumps(
+                    {"bits": bits, "check_failures": fails, "worst": worst, "rows": rows}, indent=1))
             print(f"{shape:7} M={m:4} fp16 {row['fp16_us']:6.1f} dispatch {row['dispatch_us']:6.1f} ("
                   + f"{choice.method} {choice.params}) " + " ".join(f"{label} {row[label]:.1f}" for label in labels)
                   + f" -> best {best[1]} {row['fp16_us'] / best[0]:.2f}x fp16 "

@@ -14,7 +14,7 @@ labels=("$@")
 [ ${#labels[@]} -eq 0 ] && labels=("gg(128, 3, 64, 1)" "gg(128, 4, 128, 1)")
 M="$M,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum.per_second,l1tex__m_xbar2l1tex_read_bytes.sum"
 for label in "${labels[@]}"; do
-  ncu --kernel-name regex:w4_gemm_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
+  ncu --kernel-name regex:gemm_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
       --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics $M \
       python bench/gluon_probe.py --launch "$label" --shape "$shape" --ms "$m" 2>&1 | grep -v "^==PROF=="
 done

@@ -129,7 +129,7 @@ def gluon_parts(calls: int, profile: bool, shape: str = "qkv", m: int = 64) -> i
     ws = torch.empty(split, m, n, device="cuda", dtype=torch.float32) if split > 1 else out
     counts = gluon_gemm.split_counts(x.device) if split > 1 else out
     gargs = (desc, gluon_gemm._w_desc(mw, p["rows"]), mw.scales, mw.zeros, out, out, ws, counts, m, n, k // 128,
-             mw.scales.shape[1], 128, p["bm"], p["stages"], p["rows"], False, split, gluon_gemm._WORDS_L[p["rows"]])
+             mw.scales.shape[1], 128, p["bm"], p["stages"], p["rows"], False, split, 4, *gluon_gemm._LAYOUTS[(p["rows"], 4)])
     gemv = triton_mma.GemvLaunch(mw, None, m, x.device, **dispatch.mma_choice(4, m, n).params)
     rows = {
         "fp16 F.linear": per_call_us(lambda: F.linear(x, w16), calls),

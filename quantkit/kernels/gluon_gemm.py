@@ -1,5 +1,5 @@
-"""W4 GEMM for 16 < M ≤ 512 on Hopper, written in Gluon (Triton's explicit-layout dialect): the mma
-layout's words (triton_mma) become the wgmma A operand in registers, x the B operand from shared memory.
+"""W4 (and W8) GEMM for 16 < M ≤ 512 on Hopper, written in Gluon (Triton's explicit-layout dialect): the
+mma layout's words (triton_mma) become the wgmma A operand in registers, x the B operand from shared memory.
 
 A program owns `rows` weight rows (64 per warpgroup of 4 warps) and a tile of BM rows of x, and walks
 K in tiles of 128 inputs. Thread (g, t) of warp w loads the words of rows 16·w + g and 16·w + g + 8,
@@ -21,8 +21,15 @@ x tiles and word tiles go through a ring of `stages` shared-memory slots filled 
 step t + 1's words are dequantized (one group in flight), so consecutive steps must hold their A
 operands in different registers: the K loop runs two steps per iteration (item 58). fp32 accumulation,
 fp16 output, optional bias. Layers too narrow to fill the GPU split K over 2–8 programs per output
-tile, summed by the last of them in the same launch (item 63). 4-bit weights, group sizes that are
-multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA). The Gluon API is experimental: this module is written against the Triton 3.6
+tile, summed by the last of them in the same launch (item 63). 4- or 8-bit weights, group sizes that are
+multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA).
+
+8-bit words (eighth session; compiled for sm_90 and checked on the CPU, not yet run on a GPU, so the
+dispatch does not choose it): thread (g, t) holds words 8·t … 8·t + 7 (word 8·t + 2·c + h holds inputs
+32·c + 8·t + 4·h + byte), one `prmt` and two `fma` per fp16 pair (DEQ8_ASM, the W8 GEMV's arithmetic);
+its dot order is the 4-bit one with the byte's high bit in place of i, so `permute_x` serves both. A
+slot's 8-bit block is [row half, chunk, g, t, 4 words] in memory, loaded as a [ROWS / 8, 2, 128] view
+and relabelled to (row, word) without data movement. The Gluon API is experimental: this module is written against the Triton 3.6
 and 3.9 spellings and reports itself unavailable where the import fails. Figures: BENCHMARKS.md
 ("Kernels") and bench/KERNELS_NOTES.md, items 51–66.
 """
@@ -77,10 +84,30 @@ mov.b32 {$6, $7}, p;
 }"""
 DEQ_CONS = "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r"
 
+# The four values of an 8-bit word (triton_mma's W8 arithmetic): one prmt puts bytes 0 and 1 (then 2
+# and 3) under the exponent of 1024, an fma takes 1024 + z off (exact), an fma by the scale. Inputs:
+# the word, −(1024 + z) and s as fp16 pairs; outputs: the values of bytes 0 … 3.
+DEQ8_ASM = """{
+.reg .b32 p, one, nzero;
+mov.b32 one, 0x3C003C00;
+mov.b32 nzero, 0x80008000;
+prmt.b32 p, $4, 0x64646464, 0x4140;
+fma.rn.f16x2 p, p, one, $5;
+fma.rn.f16x2 p, p, $6, nzero;
+mov.b32 {$0, $1}, p;
+prmt.b32 p, $4, 0x64646464, 0x4342;
+fma.rn.f16x2 p, p, one, $5;
+fma.rn.f16x2 p, p, $6, nzero;
+mov.b32 {$2, $3}, p;
+}"""
+DEQ8_CONS = "=h,=h,=h,=h,r,r,r"
+
 
 if gluon is not None:
     _ASM = gl.constexpr(DEQ_ASM)
     _CONS = gl.constexpr(DEQ_CONS)
+    _ASM8 = gl.constexpr(DEQ8_ASM)
+    _CONS8 = gl.constexpr(DEQ8_CONS)
     TK = gl.constexpr(TILE_K)
     # Spellings that moved between Triton 3.6 and 3.9 (Gluon is experimental)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -88,12 +115,28 @@ if gluon is not None:
     _REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # public from 3.9
 
     @gluon.jit
-    def _words(buf, ROWS: gl.constexpr, layout: gl.constexpr):
-        """A [ROWS / 16, 256] slot of words (as the copy engine wrote it) as the [ROWS, 16] word tile."""
+    def _view(buf, shape: gl.constexpr, layout: gl.constexpr):
+        """A TMA slot of words viewed with another shape and shared layout (same bytes)."""
         if _REINTERPRET:
-            return buf.reinterpret(gl.int32, [ROWS, 16], layout)
+            return buf.reinterpret(gl.int32, shape, layout)
         else:
-            return buf._reinterpret(gl.int32, [ROWS, 16], layout)
+            return buf._reinterpret(gl.int32, shape, layout)
+
+    @gluon.jit
+    def _words(buf, ROWS: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr, words_l: gl.constexpr):
+        """A slot of words (one K-tile of ROWS rows as the copy engine wrote it, ROWS / 16 blocks) as the
+        [ROWS, 128 · BITS / 32] word tile in words_l. W4: a block is row-major [16 rows, 16 words]. W8: a
+        block is [row half, chunk v, row g, t, 4 words] (row 8·half + g, word 8·t + 4·v + i), viewed as
+        [ROWS / 8, 2, 128] and relabelled to (row, word) without data movement."""
+        if BITS == 4:
+            plain: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
+            return _view(buf, [ROWS, 16], plain).load(load_l)
+        else:
+            plain3: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[2, 1, 0])
+            w = _view(buf, [ROWS // 8, 2, 128], plain3).load(load_l)
+            w = gl.reshape(w, [ROWS // 16, 2, 2, 8, 4, 4])  # row tile, half, v, g, t, i
+            w = gl.permute(w, (0, 1, 3, 4, 2, 5))  # row tile, half, g (the row); t, v, i (the word)
+            return gl.convert_layout(gl.reshape(w, [ROWS, 32]), words_l, assert_trivial=True)
 
     @gluon.jit
     def _pair_bits(v):
@@ -115,17 +158,33 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(v, [ROWS, TK]), a_l, assert_trivial=True)
 
     @gluon.jit
+    def _a_operand8(w, z, s, a_l: gl.constexpr, ROWS: gl.constexpr):
+        """[ROWS, 32] 8-bit words (word 8·t + 2·c + h holds inputs 32·c + 8·t + 4·h + byte) → the [ROWS,
+        128] wgmma A operand in the same dot order as the 4-bit one (c1 c0 h, byte bit 1, t1 t0, byte
+        bit 0), so x is permuted alike."""
+        q = gl.inline_asm_elementwise(_ASM8, _CONS8, [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(s)],
+                                      dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+        v = gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3]))
+        v = gl.reshape(v, [ROWS, 4, 4, 2, 2, 2])  # rows, t, c, h (the word), e, byte bit 1 (the value)
+        v = gl.permute(v, (0, 2, 3, 5, 1, 4))  # rows, c, h, byte bit 1, t, e
+        return gl.convert_layout(gl.reshape(v, [ROWS, TK]), a_l, assert_trivial=True)
+
+    @gluon.jit
     def _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok, G, pid_m, pid_n,
               group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
-              BYTES: gl.constexpr, words_l: gl.constexpr, a_l: gl.constexpr, plain: gl.constexpr):
+              BYTES: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr, words_l: gl.constexpr,
+              a_l: gl.constexpr):
         """Step i of the K loop (K-tile k0 + i): wait for its slot, dequantize its words (scales s, zero
         points z), start its wgmma, retire step i − 1's, refill that step's slot with K-tile i + STAGES − 1.
         Returns the accumulator and the next step's scales and zero points."""
         t = k0 + i
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        w = _words(wbuf.index(slot), ROWS, plain).load(words_l)
-        a = _a_operand(w, z, s, a_l, ROWS)
+        w = _words(wbuf.index(slot), ROWS, BITS, load_l, words_l)
+        if BITS == 4:
+            a = _a_operand(w, z, s, a_l, ROWS)
+        else:
+            a = _a_operand8(w, z, s, a_l, ROWS)
         gi = gl.minimum((t + 1) * TK // group_size, G - 1)  # next step's scales, loaded a step ahead
         s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
         z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
@@ -136,44 +195,47 @@ if gluon is not None:
         ns = ni % STAGES
         mbarrier.expect(ready.index(ns), BYTES, pred=ni < NK)
         _tma_load(x_desc, [pid_m * BM, (k0 + ni) * TK], ready.index(ns), xbuf.index(ns), pred=ni < NK)
-        _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + ni) * 256], ready.index(ns), wbuf.index(ns), pred=ni < NK)
+        _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + ni) * (16 * TK * BITS // 32)], ready.index(ns),
+                  wbuf.index(ns), pred=ni < NK)
         return acc, s, z
 
     @gluon.jit
-    def w4_gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KT, G,
-                       group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, words_l: gl.constexpr):
+    def gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KT, G,
+                    group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr,
+                    words_l: gl.constexpr):
         """out[m, n] = Σ_k x[m, k] · W[n, k] (+ b[n]) for the program's ROWS weight rows and BM rows of x.
         x_desc: x permuted (`permute_x`), [M, KT · 128] fp16, boxes [BM, 128]; w_desc: the words, boxes of
-        [ROWS / 16 row tiles, 256 words] (one K-tile of ROWS rows, row-major [ROWS, 16]).
+        [ROWS / 16 row tiles, 16 · 128 · BITS / 32 words] (one K-tile of ROWS rows); load_l / words_l: the
+        register layouts of a slot's view and of the [ROWS, 128 · BITS / 32] word tile (`words_layouts`).
         SPLIT > 1: the programs of grid axis 2 share K; each writes its fp32 partial sums to
         ws_ptr[pid_k] ([SPLIT, M, N]) and counts itself in cnt_ptr[output tile] (int32, zero before the
         launch); the last to arrive adds all the partials in K order (the same result whichever arrives
         last), the bias, writes out and sets the count back to zero for the next launch."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
-        per = gl.cdiv(KT, SPLIT)  # SPLIT > 1: this program's K-tiles k0 … k0 + NK − 1, fp32 sums added
-        k0 = gl.program_id(2) * per  # into out_ptr (a zeroed fp32 [M, N] buffer)
+        per = gl.cdiv(KT, SPLIT)  # SPLIT > 1: this program's K-tiles k0 … k0 + NK − 1
+        k0 = gl.program_id(2) * per
         NK = gl.minimum(per, KT - k0)
         NWARP: gl.constexpr = ROWS // 16
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NWARP, 1],
                                                       instr_shape=[16, BM, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
         rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
         row_ok = rows < N
+        BLOCK: gl.constexpr = 16 * TK * BITS // 32  # words of one K-tile of a 16-row tile
         xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BM, TK], x_desc.layout)
-        wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, 256], w_desc.layout)
+        wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, BLOCK], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
         fence_async_shared()  # the barriers are initialised for the copy engine and for every warp before
         _barrier()  # any waits: without this, warps could read a stale barrier left by an earlier program
-        BYTES: gl.constexpr = BM * TK * 2 + ROWS * 16 * 4
+        BYTES: gl.constexpr = BM * TK * 2 + ROWS * BLOCK * 4 // 16
         for j in gl.static_range(STAGES - 1):  # K-tiles 0 … STAGES − 2
             mbarrier.expect(ready.index(j), BYTES, pred=j < NK)
             _tma_load(x_desc, [pid_m * BM, (k0 + j) * TK], ready.index(j), xbuf.index(j), pred=j < NK)
-            _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + j) * 256], ready.index(j), wbuf.index(j), pred=j < NK)
+            _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + j) * BLOCK], ready.index(j), wbuf.index(j), pred=j < NK)
         acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
         gi = gl.minimum(k0 * TK // group_size, G - 1)
         s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
@@ -184,12 +246,12 @@ if gluon is not None:
         # 64, where the wgmma runs longest: run 57, bench/KERNELS_NOTES.md item 57).
         for i in range(0, NK - 1, 2):
             acc, s, z = _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok, G,
-                              pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, words_l, a_l, plain)
+                              pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
             acc, s, z = _step(i + 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok,
-                              G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, words_l, a_l, plain)
+                              G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
         if NK % 2 == 1:
             acc, s, z = _step(NK - 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok,
-                              G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, words_l, a_l, plain)
+                              G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(j))
@@ -220,16 +282,29 @@ if gluon is not None:
                 acc = acc + gl.load(b_ptr + orow, mask=orow < N, other=0.0).to(gl.float32)[:, None]
             gl.store(ptrs, acc.to(gl.float16), mask=omask)
 
-    def words_layout(rows: int) -> gl.DistributedLinearLayout:
-        """The [rows, 16] word tile's register layout: thread (g, t) of warp w holds rows 16·w + g and
-        16·w + g + 8, words 4·t … 4·t + 3 (register bits: word 1, 2, row 8; lane bits: word 4, 8, row 1,
-        2, 4; warp bits: row 16, 32, …)."""
+    def words_layouts(rows: int, bits: int) -> tuple:
+        """(layout a slot's view is loaded in, layout of the [rows, 128 · bits / 32] word tile) for a
+        program of `rows` weight rows. Thread (g, t) of warp w holds rows 16·w + g and 16·w + g + 8 and,
+        of each, the words the wgmma A fragment needs: 4·t … 4·t + 3 (W4; register bits: word 1, 2, row
+        8; lane bits: word 4, 8, row 1, 2, 4) or 8·t … 8·t + 7 (W8; registers: word 1, 2, 4, row 8; lanes:
+        word 8, 16, row 1, 2, 4); warp bits: row 16, 32, …. W8 loads its [rows / 8, 2, 128] view of the
+        slot (`_words`) with the same bits in memory order."""
         warps = [[16 << i, 0] for i in range(rows.bit_length() - 5)]
-        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
-                                          lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                          warp_bases=warps, block_bases=[], shape=[rows, 16])
+        if bits == 4:
+            words = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [8, 0]],
+                                               lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                               warp_bases=warps, block_bases=[], shape=[rows, 16])
+            return words, words
+        words = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+                                           lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                           warp_bases=warps, block_bases=[], shape=[rows, 32])
+        view = gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [1, 0, 0]],
+                                          lane_bases=[[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+                                          warp_bases=[[2 << i, 0, 0] for i in range(rows.bit_length() - 5)],
+                                          block_bases=[], shape=[rows // 8, 2, 128])
+        return view, words
 
-    _WORDS_L = {64: words_layout(64), 128: words_layout(128)}
+    _LAYOUTS = {(rows, bits): words_layouts(rows, bits) for rows in (64, 128) for bits in (4, 8)}
     _X_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
@@ -242,14 +317,14 @@ def _aligned(x: torch.Tensor, align: int) -> torch.Tensor:
 
 
 def supports(mw: MmaWeights, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this kernel takes the layer: Gluon present, a Hopper GPU (not the interpreter), 4-bit
-    weights in whole 128-input groups (or one group per row), fp16 activations, K a multiple of 8."""
+    """Whether this kernel takes the layer: Gluon present, a Hopper GPU (not the interpreter), 4- or
+    8-bit weights in whole 128-input groups (or one group per row), fp16 activations, K a multiple of 8."""
     if gluon is None or interpreted() or device.type != "cuda" or dtype != torch.float16:
         return False
     if torch.cuda.get_device_capability(device)[0] != 9:
         return False
     groups = mw.scales.shape[1]
-    return mw.bits == 4 and (groups == 1 or mw.group_size % TILE_K == 0) and mw.in_features % 8 == 0
+    return mw.bits in (4, 8) and (groups == 1 or mw.group_size % TILE_K == 0) and mw.in_features % 8 == 0
 
 
 def _w_desc(mw: MmaWeights, rows: int):
@@ -257,7 +332,7 @@ def _w_desc(mw: MmaWeights, rows: int):
     descs = mw.__dict__.setdefault("tma_descs", {})
     if rows not in descs:
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        descs[rows] = TensorDescriptor.from_tensor(mw.qweight, [rows // 16, 256], layout)
+        descs[rows] = TensorDescriptor.from_tensor(mw.qweight, [rows // 16, 64 * mw.bits], layout)
     return descs[rows]
 
 
@@ -281,7 +356,7 @@ def split_counts(device: torch.device) -> torch.Tensor | None:
 
 def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor:
-    """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4-bit weights in the mma layout (`supports`):
+    """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4- or 8-bit weights in the mma layout (`supports`):
     x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch (`out`, if given,
     may be strided: it is then written through a copy). bm: rows of x per program (16 … 128); stages:
     ring slots; rows: weight rows per program (64 per warpgroup); split: programs sharing each output
@@ -303,7 +378,7 @@ def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out:
     x_desc = TensorDescriptor.from_tensor(xp, [bm, TILE_K], _X_LAYOUT)
     _GEMM(grid, (x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
                  counts if counts is not None else out, m, n, kt, mw.scales.shape[1], mw.group_size, bm, stages, rows,
-                 bias is not None, grid[2], _WORDS_L[rows]),
+                 bias is not None, grid[2], mw.bits, *_LAYOUTS[(rows, mw.bits)]),
           num_warps=rows // 16)
     return out
 
@@ -322,7 +397,7 @@ def _permute_kernel(x_ptr, xp_ptr, K2, KP2, x_stride, xp_stride, BLOCK: tl.const
 # is called directly, skipping the JIT front end's argument binding (≈ 150 µs per eager GEMM call
 # on the lent H200's host with the Gluon kernel's layout constexprs and descriptors, run 59).
 _PERMUTE = KeptKernel(_permute_kernel)
-_GEMM = KeptKernel(w4_gemm_kernel) if gluon is not None else None
+_GEMM = KeptKernel(gemm_kernel) if gluon is not None else None
 
 
 def permute_x(x: torch.Tensor) -> torch.Tensor:
@@ -350,22 +425,28 @@ def permute_torch(x: torch.Tensor) -> torch.Tensor:
 
 def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     """What the GEMM computes, in torch, step for step (for the CPU tests): each word's values in input
-    order, dequantized as DEQ_ASM does ((q − z) · s rounded to fp16 once), relabelled by the kernel's
-    join / reshape / permute into the dot order, times x permuted into that order; fp32 [M, N]."""
+    order, dequantized as DEQ_ASM / DEQ8_ASM do ((q − z) · s rounded to fp16 once), relabelled by the
+    kernel's join / reshape / permute into the dot order, times x permuted into that order; fp32 [M, N]."""
     m, k = x.shape
     n = mw.out_features
     kt = -(-k // TILE_K)
-    words = (_unblocks(mw.qweight, 4, n).to(torch.int64) & 0xFFFFFFFF).reshape(n, kt, 16)
+    per = TILE_K * mw.bits // 32  # words per row and K-tile
+    words = (_unblocks(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF).reshape(n, kt, per)
     gi = torch.clamp(torch.arange(kt, device=x.device) * TILE_K // mw.group_size, max=mw.scales.shape[1] - 1)
     z = mw.zeros.to(torch.float32)[:, gi][:, :, None]
     s = mw.scales.to(torch.float32)[:, gi][:, :, None]
-    q = [(((words >> (4 * W4_ORDER.index(o))) & 15).to(torch.float32) - z) * s for o in range(8)]
-    q = [v.half() for v in q]  # value of input offset o of every word, [N, KT, 16]
 
     def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.stack([a, b], -1)
 
-    v = join(join(join(q[0], q[1]), join(q[2], q[3])), join(join(q[4], q[5]), join(q[6], q[7])))
-    v = v.reshape(n, kt, 2, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 5, 8, 7, 2, 3, 6)  # as the kernel, per K-tile
+    if mw.bits == 4:
+        q = [(((words >> (4 * W4_ORDER.index(o))) & 15).to(torch.float32) - z) * s for o in range(8)]
+        q = [v.half() for v in q]  # value of input offset o of every word, [N, KT, 16]
+        v = join(join(join(q[0], q[1]), join(q[2], q[3])), join(join(q[4], q[5]), join(q[6], q[7])))
+        v = v.reshape(n, kt, 2, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 5, 8, 7, 2, 3, 6)  # as the kernel, per K-tile
+    else:
+        q = [((((words >> (8 * b)) & 255).to(torch.float32) - z) * s).half() for b in range(4)]  # byte b, [N, KT, 32]
+        v = join(join(q[0], q[1]), join(q[2], q[3]))
+        v = v.reshape(n, kt, 4, 4, 2, 2, 2).permute(0, 1, 3, 4, 6, 2, 5)  # as the kernel, per K-tile
     a = v.reshape(n, kt * TILE_K).float()
     return permute_torch(x).float() @ a.t()

@@ -111,8 +111,44 @@ GLUON_SCRIPT = textwrap.dedent("""
 
     from quantkit.kernels import dispatch, gluon_gemm as gg
 
-    names = list(gg.w4_gemm_kernel.arg_names)
+    names = list(gg.gemm_kernel.arg_names)
     w_layout = gg.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+    def check(bm, stages, rows, split, bits):
+        sig = {"x_desc": f"tensordesc<fp16[{bm}, 128],{gg._X_LAYOUT!r}>",
+               "w_desc": f"tensordesc<i32[{rows // 16}, {64 * bits}],{w_layout!r}>", "s_ptr": "*fp16",
+               "z_ptr": "*u8", "b_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+               "M": "i32", "N": "i32", "KT": "i32", "G": "i32"}
+        load_l, words_l = gg.words_layouts(rows, bits)
+        ce = dict(group_size=128, BM=bm, STAGES=stages, ROWS=rows, HAS_BIAS=True, SPLIT=split, BITS=bits,
+                  load_l=load_l, words_l=words_l)
+        sig.update({name: "constexpr" for name in ce})
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("s_ptr", "z_ptr", "out_ptr", "N")}
+        # the W8 word tile and both A operands are relabellings the compiler must prove free of data
+        # movement (convert_layout(assert_trivial=True)), or compilation fails here
+        out = triton.compile(GluonASTSource(fn=gg.gemm_kernel, signature=sig, constexprs=ce, attrs=attrs),
+                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=rows // 16))
+        ptx = out.asm["ptx"]
+        what = (bm, stages, rows, split, bits)
+        assert out.asm.get("cubin"), what
+        # one m64nBMk16 per 16 inputs of the 128-input tile, in each of the K loop's three step bodies
+        # (two per iteration, so that consecutive A operands are different registers, and the tail)
+        assert ptx.count("wgmma.mma_async") == 3 * 8, what
+        # x and words: the ring's prologue and each step body's refill (the tail step refills nothing,
+        # which the compiler can prove with two slots, and then drops its copies)
+        assert ptx.count("cp.async.bulk.tensor") in (2 * (stages - 1) + 3 * 2, 2 * (stages - 1) + 2 * 2), what
+        # the dequantized weights never go through shared memory (one st.shared: the split-K count,
+        # handed by the thread that took it to the others)
+        assert ptx.count("st.shared") == (split > 1), what
+        # split K: one arrival per program (acquire-release, GPU scope), its partial sums read from L2
+        assert ptx.count("atom.global.gpu.acq_rel.add") == (split > 1), what
+        assert ("ld.global.cg" in ptx) == (split > 1), what
+        # the dequantization: one lop3 (W4) or prmt (W8) per fp16 pair, 32 pairs per thread in each step body
+        op, other = ("lop3.b32", "prmt.b32") if bits == 4 else ("prmt.b32", "lop3.b32")
+        assert ptx.count(op) == 3 * 32 and other not in ptx, what
+
+
     seen = set()
     for m in range(17, 513):
         for k, n in ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)):
@@ -120,31 +156,10 @@ GLUON_SCRIPT = textwrap.dedent("""
             if c is None or tuple(c.params.values()) in seen:
                 continue
             seen.add(tuple(c.params.values()))
-            bm, stages, rows = c.params["bm"], c.params["stages"], c.params["rows"]
-            sig = {"x_desc": f"tensordesc<fp16[{bm}, 128],{gg._X_LAYOUT!r}>",
-                   "w_desc": f"tensordesc<i32[{rows // 16}, 256],{w_layout!r}>", "s_ptr": "*fp16", "z_ptr": "*u8",
-                   "b_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
-                   "N": "i32", "KT": "i32", "G": "i32"}
-            ce = dict(group_size=128, BM=bm, STAGES=stages, ROWS=rows, HAS_BIAS=True, SPLIT=c.params.get("split", 1), words_l=gg.words_layout(rows))
-            sig.update({name: "constexpr" for name in ce})
-            attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("s_ptr", "z_ptr", "out_ptr", "N")}
-            out = triton.compile(GluonASTSource(fn=gg.w4_gemm_kernel, signature=sig, constexprs=ce, attrs=attrs),
-                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=rows // 16))
-            ptx = out.asm["ptx"]
-            assert out.asm.get("cubin"), c
-            # one m64nBMk16 per 16 inputs of the 128-input tile, in each of the K loop's three step bodies
-            # (two per iteration, so that consecutive A operands are different registers, and the tail)
-            assert ptx.count("wgmma.mma_async") == 3 * 8, c
-            # x and words: the ring's prologue and each step body's refill (the tail step refills nothing,
-            # which the compiler can prove with two slots, and then drops its copies)
-            assert ptx.count("cp.async.bulk.tensor") in (2 * (stages - 1) + 3 * 2, 2 * (stages - 1) + 2 * 2), c
-            # the dequantized weights never go through shared memory (one st.shared: the split-K count,
-            # handed by the thread that took it to the others)
-            split = c.params.get("split", 1)
-            assert ptx.count("st.shared") == (split > 1), c
-            # split K: one arrival per program (acquire-release, GPU scope), its partial sums read from L2
-            assert ptx.count("atom.global.gpu.acq_rel.add") == (split > 1), c
-            assert ("ld.global.cg" in ptx) == (split > 1), c
+            check(c.params["bm"], c.params["stages"], c.params["rows"], c.params.get("split", 1), 4)
+    # 8-bit words: not in the dispatch until measured (bench/gluon_probe.py --bits 8)
+    for cfg in ((32, 6, 64, 1), (64, 4, 64, 1), (128, 3, 64, 1), (64, 4, 128, 1), (64, 4, 64, 4)):
+        check(*cfg, 8)
     print("gluon configurations", len(seen))
 """)
 

@@ -1,4 +1,4 @@
-"""The Gluon W4 GEMM's operand orders (on the CPU: the kernel itself needs a Hopper GPU, where
+"""The Gluon W4 / W8 GEMM's operand orders (on the CPU: the kernel itself needs a Hopper GPU, where
 bench/kernels_check.py runs it; tests/kernels/test_compile_cuda.py compiles it for sm_90 here)."""
 
 from __future__ import annotations
@@ -12,24 +12,25 @@ from quantkit.kernels import gluon_gemm, triton_mma
 from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
 
 
-def _layer(n: int, k: int, group_size: int, seed: int = 0):
+def _layer(n: int, k: int, group_size: int, seed: int = 0, bits: int = 4):
     g = torch.Generator().manual_seed(seed)
     groups = 1 if group_size == -1 else -(-k // group_size)
     gs = k if group_size == -1 else group_size
-    q = torch.randint(0, 16, (n, k), generator=g)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g)
     s = (torch.rand(n, groups, generator=g) * 0.02 + 0.002).half()
-    z = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
-    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, gs, k, n))
+    z = torch.randint(0, 1 << bits, (n, groups), generator=g).to(torch.uint8)
+    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, bits), s, z, bits, gs, k, n))
     idx = torch.arange(k) // gs
     w = (q.float() - z.float()[:, idx]) * s.float()[:, idx]
     return mw, w, g
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group_size", [(40, 256, 128), (70, 200, -1), (33, 1024, 256), (16, 136, 128)])
-def test_dot_order_product_is_the_layer(n, k, group_size):
+def test_dot_order_product_is_the_layer(n, k, group_size, bits):
     # the words' values relabelled as the kernel does, times x permuted into the same order, is x Wᵀ:
     # a wrong relabelling or permutation pairs weights with the wrong inputs (rel. error ≈ 0.5)
-    mw, w, g = _layer(n, k, group_size)
+    mw, w, g = _layer(n, k, group_size, bits=bits)
     x = torch.randn(7, k, generator=g).half()
     ref = x.float() @ w.t()
     out = gluon_gemm.emulate(x, mw)
@@ -99,3 +100,23 @@ def test_dequantization_asm_is_exact():
             for p in range(8):  # output o is input offset o, which nibble W4_ORDER.index(o) holds
                 o = triton_mma.W4_ORDER[p]
                 assert h2f(res[o], False) == float(np.float16((qs[p] - z) * s)), (z, p)
+
+
+def test_dequantization_asm_8bit_is_exact():
+    # DEQ8_ASM run by the tests' PTX interpreter: every byte position, zero points across 0 … 255 and
+    # random bytes: (q − z) · s rounded to fp16 once, outputs in byte order
+    def pair(v: float) -> int:
+        b = f2h(v, False)
+        return b | (b << 16)
+
+    rng = np.random.default_rng(1)
+    for z in (0, 1, 77, 128, 200, 255):
+        s = float(np.float16(rng.uniform(0.001, 0.02)))
+        lanes = []
+        for _ in range(32):
+            qs = [int(v) for v in rng.integers(0, 256, 4)]
+            lanes.append((qs, [sum(q << (8 * b) for b, q in enumerate(qs)), pair(-(1024.0 + z)), pair(s)]))
+        out = Warp(gluon_gemm.DEQ8_ASM, [args for _, args in lanes], {}, False, first_input=4).run()
+        for (qs, _), res in zip(lanes, out):
+            for b in range(4):
+                assert h2f(res[b], False) == float(np.float16((qs[b] - z) * s)), (z, b)
