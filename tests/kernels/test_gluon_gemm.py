@@ -74,7 +74,7 @@ def test_permutation_is_the_documented_bit_swap():
         assert xp[d] == 32 * c + 8 * t + 4 * h + 2 * i + e
 
 
-def test_supports_needs_hopper_fp16_and_4_bits():
+def test_supports_needs_a_hopper_gpu():
     mw, _, _ = _layer(16, 256, 128)
     # no GPU here (and the interpreter cannot run Gluon): never
     assert not gluon_gemm.supports(mw, torch.float16, torch.device("cpu"))
