@@ -265,8 +265,11 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
     p = choice.params
     if choice.method == "gluon":
         if isinstance(kw, MmaWeights) and gluon_gemm.supports(kw, x2d.dtype, x2d.device):
-            return gluon_gemm.gemm(x2d, kw, bias, **p)
-        choice = mma_choice(kw.bits, m, n, _sm_count(x2d.device), _has_pdl(x2d.device))  # e.g. bf16 x
+            y = gluon_gemm.gemm(x2d, kw, bias, **p)
+            if y is not None:
+                return y
+        # e.g. bf16 x, or a capture whose warm-up ran another kernel (the Gluon one would load a module)
+        choice = mma_choice(kw.bits, m, n, _sm_count(x2d.device), _has_pdl(x2d.device))
         return run(x2d, kw, bias, choice)
     if choice.method == "mma":
         launch = gemv_launch(kw, bias, m, x2d.dtype, x2d.device, choice.params)

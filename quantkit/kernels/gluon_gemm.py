@@ -355,18 +355,23 @@ def split_counts(device: torch.device) -> torch.Tensor | None:
 
 
 def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor:
+         bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor | None:
     """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4- or 8-bit weights in the mma layout (`supports`):
     x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch (`out`, if given,
     may be strided: it is then written through a copy). bm: rows of x per program (16 … 128); stages:
     ring slots; rows: weight rows per program (64 per warpgroup); split: programs sharing each output
     tile's K, for layers too narrow to fill the GPU (fp32 partial sums through a [split, M, N] workspace,
-    added by the last program of each tile, in the same launch)."""
+    added by the last program of each tile, in the same launch).
+
+    None, launching nothing, while a CUDA graph is being captured if either launch has not run before
+    with these arguments: its first launch would load a module, which capture forbids (the caller then
+    takes another kernel; `capture.graph_warmup` makes the warm-up before a capture launch this one)."""
     m = x.shape[0]
     n = mw.out_features
     if out is not None and not out.is_contiguous():  # the kernel writes rows N apart
-        return out.copy_(gemm(x, mw, bias, None, bm, stages, rows, split))
-    xp = permute_x(x)
+        y = gemm(x, mw, bias, None, bm, stages, rows, split)
+        return None if y is None else out.copy_(y)
+    xp, permute_grid, permute_args = _permute_launch(x)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float16, device=x.device)
     kt = xp.shape[1] // TILE_K
@@ -376,10 +381,14 @@ def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out:
         grid = grid[:2] + (1,)
     ws = torch.empty(grid[2], m, n, dtype=torch.float32, device=x.device) if grid[2] > 1 else out
     x_desc = TensorDescriptor.from_tensor(xp, [bm, TILE_K], _X_LAYOUT)
-    _GEMM(grid, (x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
-                 counts if counts is not None else out, m, n, kt, mw.scales.shape[1], mw.group_size, bm, stages, rows,
-                 bias is not None, grid[2], mw.bits, *_LAYOUTS[(rows, mw.bits)]),
-          num_warps=rows // 16)
+    args = (x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
+            counts if counts is not None else out, m, n, kt, mw.scales.shape[1], mw.group_size, bm, stages, rows,
+            bias is not None, grid[2], mw.bits, *_LAYOUTS[(rows, mw.bits)])
+    if torch.cuda.is_current_stream_capturing() and not (
+            _PERMUTE.kept_for(permute_args) and _GEMM.kept_for(args, num_warps=rows // 16)):
+        return None
+    _PERMUTE(permute_grid, permute_args)
+    _GEMM(grid, args, num_warps=rows // 16)
     return out
 
 
@@ -400,16 +409,22 @@ _PERMUTE = KeptKernel(_permute_kernel)
 _GEMM = KeptKernel(gemm_kernel) if gluon is not None else None
 
 
-def permute_x(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp16 → [M, KT · 128] fp16 with each 128-input tile in the dot order (c1 c0 h i t1 t0 e),
-    zero-padded: one Triton launch."""
+def _permute_launch(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], tuple]:
+    """(the output of `permute_x`, allocated, and the grid and arguments of its launch)."""
     m, k = x.shape
     x = _aligned(x, 4)
     kp = triton.cdiv(k, TILE_K) * TILE_K
     xp = torch.empty(m, kp, dtype=torch.float16, device=x.device)
     block = min(2048, triton.next_power_of_2(kp // 2))
     xi, xpi = x.view(torch.int32), xp.view(torch.int32)
-    _PERMUTE((m, triton.cdiv(kp // 2, block)), (xi, xpi, k // 2, kp // 2, xi.stride(0), xpi.stride(0), block))
+    return xp, (m, triton.cdiv(kp // 2, block)), (xi, xpi, k // 2, kp // 2, xi.stride(0), xpi.stride(0), block)
+
+
+def permute_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp16 → [M, KT · 128] fp16 with each 128-input tile in the dot order (c1 c0 h i t1 t0 e),
+    zero-padded: one Triton launch."""
+    xp, grid, args = _permute_launch(x)
+    _PERMUTE(grid, args)
     return xp
 
 

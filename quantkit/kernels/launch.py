@@ -79,6 +79,12 @@ class KeptKernel:
         self.kept: dict = {}
         self.disabled = False  # set when the launcher refused a direct call
 
+    def kept_for(self, args: tuple, **options) -> bool:
+        """Whether a launch with these arguments and options would find a kept compiled kernel: it has
+        been launched before, so its module is loaded and launching it loads nothing (which a CUDA graph
+        capture forbids)."""
+        return not self.disabled and (signature_key(args), tuple(sorted(options.items()))) in self.kept
+
     def __call__(self, grid: tuple[int, ...], args: tuple, **options) -> None:
         key = (signature_key(args), tuple(sorted(options.items())))
         ck = self.kept.get(key)

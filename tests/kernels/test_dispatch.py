@@ -109,6 +109,20 @@ def test_run_falls_back_from_a_gluon_choice(triton_interpreter):
     assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
 
 
+def test_run_falls_back_when_the_gluon_gemm_declines(triton_interpreter, monkeypatch):
+    # inside a CUDA-graph capture the GEMM returns None rather than load a module (its first launch):
+    # run() then takes the dispatch's other kernel for those rows (here M = 80: dequantize + matmul)
+    mw, w, g = _mma_layer(24, 256, 4)
+    x = torch.randn(80, 256, generator=g).half()
+    asked = []
+    monkeypatch.setattr(dispatch.gluon_gemm, "supports", lambda kw, dtype, device: True)
+    monkeypatch.setattr(dispatch.gluon_gemm, "gemm", lambda *a, **k: asked.append(k) or None)
+    out = dispatch.run(x, mw, None, dispatch.Choice("gluon", dict(bm=64, stages=4, rows=64, split=2)))
+    assert asked == [dict(bm=64, stages=4, rows=64, split=2)]
+    ref = x.float() @ w.t()
+    assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_pdl_is_opt_in(monkeypatch):
     monkeypatch.delenv("QUANTKIT_PDL", raising=False)
     assert not dispatch._has_pdl(torch.device("cpu"))

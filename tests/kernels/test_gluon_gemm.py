@@ -120,3 +120,40 @@ def test_dequantization_asm_8bit_is_exact():
         for (qs, _), res in zip(lanes, out):
             for b in range(4):
                 assert h2f(res[b], False) == float(np.float16((qs[b] - z) * s)), (z, b)
+
+
+def test_gemm_declines_inside_a_capture_until_its_launches_have_run(monkeypatch):
+    # a first launch loads a module, which a CUDA-graph capture forbids: while capturing, gemm() returns
+    # None (launching nothing) unless both its launches ran before with the same specialization
+    pytest.importorskip("triton.experimental.gluon")
+    if gluon_gemm.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    launched = []
+
+    class Recorder:
+        def __init__(self, name, kept):
+            self.name, self.kept = name, kept
+
+        def kept_for(self, args, **options):
+            return self.kept
+
+        def __call__(self, grid, args, **options):
+            launched.append(self.name)
+
+    mw, _, g = _layer(64, 256, 128)
+    x = torch.randn(20, 256, generator=g).half()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for permute_kept, gemm_kept in ((False, True), (True, False), (False, False)):
+        monkeypatch.setattr(gluon_gemm, "_PERMUTE", Recorder("permute", permute_kept))
+        monkeypatch.setattr(gluon_gemm, "_GEMM", Recorder("gemm", gemm_kept))
+        assert gluon_gemm.gemm(x, mw, None, None, 32, 6, 64) is None
+        assert gluon_gemm.gemm(x, mw, None, torch.empty(40, 64).half()[::2], 32, 6, 64) is None  # strided out
+    assert launched == []
+    monkeypatch.setattr(gluon_gemm, "_PERMUTE", Recorder("permute", True))
+    monkeypatch.setattr(gluon_gemm, "_GEMM", Recorder("gemm", True))
+    assert gluon_gemm.gemm(x, mw, None, None, 32, 6, 64).shape == (20, 64)
+    assert launched == ["permute", "gemm"]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(gluon_gemm, "_GEMM", Recorder("gemm", False))
+    assert gluon_gemm.gemm(x, mw, None, None, 32, 6, 64) is not None  # eagerly: always launches
+    assert launched == ["permute", "gemm"] * 2

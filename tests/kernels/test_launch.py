@@ -58,6 +58,20 @@ def test_kept_kernel_calls_the_compiled_kernel_while_the_specialization_holds(mo
     assert [c[0] for c in fn.calls[-2:]] == ["direct", "direct"]
 
 
+def test_kept_for_says_whether_a_launch_would_load_nothing(monkeypatch):
+    # what gluon_gemm asks during a CUDA-graph capture: launched before with this specialization?
+    monkeypatch.setattr(launch, "driver", _Driver)
+    kept = launch.KeptKernel(_Fn())
+    a = torch.zeros(64, dtype=torch.float16)
+    assert not kept.kept_for((a, 4096, 4), num_warps=4)
+    kept((1,), (a, 4096, 4), num_warps=4)
+    assert kept.kept_for((torch.ones(64, dtype=torch.float16), 4096, 4), num_warps=4)
+    assert not kept.kept_for((a, 4096, 4), num_warps=8)  # another option
+    assert not kept.kept_for((a, 2048, 4))  # another size
+    kept.disabled = True  # a launcher that refused the direct call: nothing counts as kept
+    assert not kept.kept_for((a, 4096, 4), num_warps=4)
+
+
 def test_constexprs_that_look_alike_are_not_confused():
     """16 and 32 are both multiples of 16: as a block size they must still select different kernels."""
     assert launch.signature_key((torch.zeros(4), 16)) != launch.signature_key((torch.zeros(4), 32))
