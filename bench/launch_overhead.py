@@ -98,6 +98,7 @@ def gluon_parts(calls: int, profile: bool, shape: str = "qkv", m: int = 64) -> i
     from bench.kernel_candidates import SHAPES
     from bench.kernels_mma import random_mw
     from quantkit.kernels import gluon_gemm
+    from quantkit.kernels.triton_splitk import counters, workspace
 
     k, n = SHAPES[shape]
     mw = random_mw(k, n, 4, 128)
@@ -126,8 +127,8 @@ def gluon_parts(calls: int, profile: bool, shape: str = "qkv", m: int = 64) -> i
     desc = TensorDescriptor.from_tensor(xp, [p["bm"], gluon_gemm.TILE_K], gluon_gemm._X_LAYOUT)
     split = p.get("split", 1)
     grid = (triton.cdiv(n, p["rows"]), triton.cdiv(m, p["bm"]), split)
-    ws = torch.empty(split, m, n, device="cuda", dtype=torch.float32) if split > 1 else out
-    counts = gluon_gemm.split_counts(x.device) if split > 1 else out
+    ws = workspace(split, m, n, x.device) if split > 1 else out
+    counts = counters(x.device, grid[0] * grid[1]) if split > 1 else out
     gargs = (desc, gluon_gemm._w_desc(mw, p["rows"]), mw.scales, mw.zeros, out, out, ws, counts, m, n, k // 128,
              mw.scales.shape[1], 128, p["bm"], p["stages"], p["rows"], False, split, 4, *gluon_gemm._LAYOUTS[(p["rows"], 4)])
     gemv = triton_mma.GemvLaunch(mw, None, m, x.device, **dispatch.mma_choice(4, m, n).params)

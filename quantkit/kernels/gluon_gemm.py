@@ -42,6 +42,7 @@ import triton.language as tl
 
 from quantkit.kernels.launch import KeptKernel, interpreted
 from quantkit.kernels.triton_mma import W4_ORDER, MmaWeights, _unblocks
+from quantkit.kernels.triton_splitk import clamp_split, counters, workspace
 
 try:
     from triton.experimental import gluon
@@ -336,24 +337,6 @@ def _w_desc(mw: MmaWeights, rows: int):
     return descs[rows]
 
 
-# Split-K arrival counts, one int32 per output tile, per device: zeroed once, and every launch leaves
-# them zero (the last program of each tile resets its count). Launches that use them run one at a time
-# on one stream (a forward pass, eager or replayed from a CUDA graph).
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-MAX_SPLIT_TILES = 1 << 16
-
-
-def split_counts(device: torch.device) -> torch.Tensor | None:
-    """The device's split-K counts, made on first use; None while a CUDA graph is being captured before
-    they exist (an allocation then would belong to the graph's memory pool: the caller does not split)."""
-    counts = _COUNTS.get(device)
-    if counts is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _COUNTS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return counts
-
-
 def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor | None:
     """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4- or 8-bit weights in the mma layout (`supports`):
@@ -371,20 +354,23 @@ def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out:
     if out is not None and not out.is_contiguous():  # the kernel writes rows N apart
         y = gemm(x, mw, bias, None, bm, stages, rows, split)
         return None if y is None else out.copy_(y)
+    capturing = torch.cuda.is_current_stream_capturing()
     xp, permute_grid, permute_args = _permute_launch(x)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float16, device=x.device)
     kt = xp.shape[1] // TILE_K
-    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm), max(1, min(split, kt)))
-    counts = split_counts(x.device) if grid[2] > 1 and grid[0] * grid[1] <= MAX_SPLIT_TILES else None
+    grid = (triton.cdiv(n, rows), triton.cdiv(m, bm), clamp_split(max(1, min(split, kt)), m, n))
+    # split K: the tile counters of triton_splitk (one per output tile; each launch leaves them zero),
+    # never made during a capture (they would be graph memory: then the launch does not split)
+    counts = counters(x.device, grid[0] * grid[1], make=not capturing) if grid[2] > 1 else None
     if counts is None:
         grid = grid[:2] + (1,)
-    ws = torch.empty(grid[2], m, n, dtype=torch.float32, device=x.device) if grid[2] > 1 else out
+    ws = workspace(grid[2], m, n, x.device) if grid[2] > 1 else out
     x_desc = TensorDescriptor.from_tensor(xp, [bm, TILE_K], _X_LAYOUT)
     args = (x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
             counts if counts is not None else out, m, n, kt, mw.scales.shape[1], mw.group_size, bm, stages, rows,
             bias is not None, grid[2], mw.bits, *_LAYOUTS[(rows, mw.bits)])
-    if torch.cuda.is_current_stream_capturing() and not (
+    if capturing and not (
             _PERMUTE.kept_for(permute_args) and _GEMM.kept_for(args, num_warps=rows // 16)):
         return None
     _PERMUTE(permute_grid, permute_args)

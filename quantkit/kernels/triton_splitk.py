@@ -16,13 +16,16 @@ import triton.language as tl
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least `tiles` counters, kept per device (the kernels leave it zeroed).
+def counters(device: torch.device, tiles: int, make: bool = True) -> torch.Tensor | None:
+    """A zeroed int32 buffer of at least `tiles` counters, kept per device (the kernels leave it zeroed);
+    with `make` False, None rather than a new buffer when none that large exists yet.
 
     Call it once outside CUDA-graph capture (a warm-up call does) so the buffer is not graph memory.
     """
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < tiles:
+        if not make:
+            return None
         buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf

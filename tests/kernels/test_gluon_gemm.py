@@ -80,21 +80,23 @@ def test_supports_needs_a_hopper_gpu():
     assert not gluon_gemm.supports(mw, torch.float16, torch.device("cpu"))
 
 
+def _pair(v: float) -> int:
+    """An fp16 value in both halves of a 32-bit register (the asm's pair operands)."""
+    b = f2h(v, False)
+    return b | (b << 16)
+
+
 def test_dequantization_asm_is_exact():
     # DEQ_ASM (the kernel's only arithmetic on the weights) run by the tests' PTX interpreter on every
     # nibble position, all 16 zero points and random nibbles: (q − z) · s rounded to fp16 once
-    def pair(v: float) -> int:
-        b = f2h(v, False)
-        return b | (b << 16)
-
     rng = np.random.default_rng(0)
     for z in range(16):
         s = float(np.float16(rng.uniform(0.001, 0.02)))
         lanes = []
         for _ in range(32):
             qs = [int(v) for v in rng.integers(0, 16, 8)]  # the nibble at bits 4·p
-            lanes.append((qs, [sum(q << (4 * p) for p, q in enumerate(qs)), pair(-(1024.0 + z)),
-                               pair(-(64.0 + z)), pair(s)]))
+            lanes.append((qs, [sum(q << (4 * p) for p, q in enumerate(qs)), _pair(-(1024.0 + z)),
+                               _pair(-(64.0 + z)), _pair(s)]))
         out = Warp(gluon_gemm.DEQ_ASM, [args for _, args in lanes], {}, False, first_input=8).run()
         for (qs, _), res in zip(lanes, out):
             for p in range(8):  # output o is input offset o, which nibble W4_ORDER.index(o) holds
@@ -105,17 +107,13 @@ def test_dequantization_asm_is_exact():
 def test_dequantization_asm_8bit_is_exact():
     # DEQ8_ASM run by the tests' PTX interpreter: every byte position, zero points across 0 … 255 and
     # random bytes: (q − z) · s rounded to fp16 once, outputs in byte order
-    def pair(v: float) -> int:
-        b = f2h(v, False)
-        return b | (b << 16)
-
     rng = np.random.default_rng(1)
     for z in (0, 1, 77, 128, 200, 255):
         s = float(np.float16(rng.uniform(0.001, 0.02)))
         lanes = []
         for _ in range(32):
             qs = [int(v) for v in rng.integers(0, 256, 4)]
-            lanes.append((qs, [sum(q << (8 * b) for b, q in enumerate(qs)), pair(-(1024.0 + z)), pair(s)]))
+            lanes.append((qs, [sum(q << (8 * b) for b, q in enumerate(qs)), _pair(-(1024.0 + z)), _pair(s)]))
         out = Warp(gluon_gemm.DEQ8_ASM, [args for _, args in lanes], {}, False, first_input=4).run()
         for (qs, _), res in zip(lanes, out):
             for b in range(4):
