@@ -196,9 +196,16 @@ if gluon is not None:
         ns = ni % STAGES
         mbarrier.expect(ready.index(ns), BYTES, pred=ni < NK)
         _tma_load(x_desc, [pid_m * BM, (k0 + ni) * TK], ready.index(ns), xbuf.index(ns), pred=ni < NK)
-        _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + ni) * (16 * TK * BITS // 32)], ready.index(ns),
-                  wbuf.index(ns), pred=ni < NK)
+        _w_load(w_desc, pid_n, k0 + ni, ready.index(ns), wbuf.index(ns), ni < NK, ROWS, BITS)
         return acc, s, z
+
+    @gluon.jit
+    def _w_load(w_desc, pid_n, t, bar, dst, pred, ROWS: gl.constexpr, BITS: gl.constexpr):
+        """Copy K-tile t of the program's ROWS rows of words into slot dst (boxes: `w_box`)."""
+        if BITS == 4:
+            _tma_load(w_desc, [pid_n * (ROWS // 16), t * 256], bar, dst, pred=pred)
+        else:
+            _tma_load(w_desc, [pid_n * (ROWS // 16), t * 2, 0], bar, dst, pred=pred)
 
     @gluon.jit
     def gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KT, G,
@@ -207,7 +214,7 @@ if gluon is not None:
                     words_l: gl.constexpr):
         """out[m, n] = Σ_k x[m, k] · W[n, k] (+ b[n]) for the program's ROWS weight rows and BM rows of x.
         x_desc: x permuted (`permute_x`), [M, KT · 128] fp16, boxes [BM, 128]; w_desc: the words, boxes of
-        [ROWS / 16 row tiles, 16 · 128 · BITS / 32 words] (one K-tile of ROWS rows); load_l / words_l: the
+        one K-tile of ROWS rows (`_w_load`); load_l / words_l: the
         register layouts of a slot's view and of the [ROWS, 128 · BITS / 32] word tile (`words_layouts`).
         SPLIT > 1: the programs of grid axis 2 share K; each writes its fp32 partial sums to
         ws_ptr[pid_k] ([SPLIT, M, N]) and counts itself in cnt_ptr[output tile] (int32, zero before the
@@ -226,7 +233,10 @@ if gluon is not None:
         row_ok = rows < N
         BLOCK: gl.constexpr = 16 * TK * BITS // 32  # words of one K-tile of a 16-row tile
         xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BM, TK], x_desc.layout)
-        wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, BLOCK], w_desc.layout)
+        if BITS == 4:
+            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, BLOCK], w_desc.layout)
+        else:
+            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, 2, BLOCK // 2], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
@@ -236,7 +246,7 @@ if gluon is not None:
         for j in gl.static_range(STAGES - 1):  # K-tiles 0 … STAGES − 2
             mbarrier.expect(ready.index(j), BYTES, pred=j < NK)
             _tma_load(x_desc, [pid_m * BM, (k0 + j) * TK], ready.index(j), xbuf.index(j), pred=j < NK)
-            _tma_load(w_desc, [pid_n * (ROWS // 16), (k0 + j) * BLOCK], ready.index(j), wbuf.index(j), pred=j < NK)
+            _w_load(w_desc, pid_n, k0 + j, ready.index(j), wbuf.index(j), j < NK, ROWS, BITS)
         acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
         gi = gl.minimum(k0 * TK // group_size, G - 1)
         s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
@@ -328,12 +338,22 @@ def supports(mw: MmaWeights, dtype: torch.dtype, device: torch.device) -> bool:
     return mw.bits in (4, 8) and (groups == 1 or mw.group_size % TILE_K == 0) and mw.in_features % 8 == 0
 
 
+def w_box(rows: int, bits: int) -> tuple[list[int], object]:
+    """(box, shared layout) of the words' TMA descriptor for programs of `rows` rows: one K-tile of rows /
+    16 row tiles, [rows / 16, 256] words (W4) or [rows / 16, 2, 256] (W8 over qweight viewed as [row
+    tiles, K-tiles · 2, 256]: a TMA box is at most 256 wide, and a wider one is split into messages
+    stacked in shared memory, not the row-major block `_words` reads; `_w_load`)."""
+    box = [rows // 16, 256] if bits == 4 else [rows // 16, 2, 256]
+    return box, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(box))
+
+
 def _w_desc(mw: MmaWeights, rows: int):
-    """The TMA descriptor of the layer's words for programs of `rows` rows, made once per layer."""
+    """The TMA descriptor of the layer's words for programs of `rows` rows (`w_box`), made once per layer."""
     descs = mw.__dict__.setdefault("tma_descs", {})
     if rows not in descs:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        descs[rows] = TensorDescriptor.from_tensor(mw.qweight, [rows // 16, 64 * mw.bits], layout)
+        box, layout = w_box(rows, mw.bits)
+        words = mw.qweight if len(box) == 2 else mw.qweight.view(mw.qweight.shape[0], -1, 256)
+        descs[rows] = TensorDescriptor.from_tensor(words, box, layout)
     return descs[rows]
 
 

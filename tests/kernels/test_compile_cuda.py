@@ -112,12 +112,12 @@ GLUON_SCRIPT = textwrap.dedent("""
     from quantkit.kernels import dispatch, gluon_gemm as gg
 
     names = list(gg.gemm_kernel.arg_names)
-    w_layout = gg.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
     def check(bm, stages, rows, split, bits):
+        w_box, w_layout = gg.w_box(rows, bits)
         sig = {"x_desc": f"tensordesc<fp16[{bm}, 128],{gg._X_LAYOUT!r}>",
-               "w_desc": f"tensordesc<i32[{rows // 16}, {64 * bits}],{w_layout!r}>", "s_ptr": "*fp16",
+               "w_desc": f"tensordesc<i32{w_box},{w_layout!r}>", "s_ptr": "*fp16",
                "z_ptr": "*u8", "b_ptr": "*fp16", "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
                "M": "i32", "N": "i32", "KT": "i32", "G": "i32"}
         load_l, words_l = gg.words_layouts(rows, bits)
@@ -132,6 +132,9 @@ GLUON_SCRIPT = textwrap.dedent("""
         ptx = out.asm["ptx"]
         what = (bm, stages, rows, split, bits)
         assert out.asm.get("cubin"), what
+        # the words arrive as one TMA message per slot, row-major as `_words` reads them: a box the
+        # compiler splits (wider than 256) lands as stacked messages (the W8 bug of run 67)
+        assert out.metadata.tensordesc_meta[1]["block_size"] == w_box, (what, out.metadata.tensordesc_meta)
         # one m64nBMk16 per 16 inputs of the 128-input tile, in each of the K loop's three step bodies
         # (two per iteration, so that consecutive A operands are different registers, and the tail)
         assert ptx.count("wgmma.mma_async") == 3 * 8, what

@@ -37,6 +37,23 @@ def test_dot_order_product_is_the_layer(n, k, group_size, bits):
     assert ((out - ref).norm() / ref.norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("rows", [64, 128])
+def test_w8_slot_view_is_the_row_words(rows):
+    # `_words` (W8): a slot holds the TMA box `w_box` row-major ([row tiles, 2, 256] of qweight viewed as
+    # [row tiles, K-tiles · 2, 256]); viewed as [rows / 8, 2, 128], reshaped and permuted as the kernel
+    # does, it must give each row's 32 words of the K-tile in row-word order (`emulate` starts from these)
+    mw, _, _ = _layer(3 * rows, 512, 128, bits=8)
+    box = gluon_gemm.w_box(rows, 8)[0] if gluon_gemm.gluon is not None else [rows // 16, 2, 256]
+    assert box == [rows // 16, 2, 256]
+    words = mw.qweight.view(mw.qweight.shape[0], -1, 256)
+    row_words = triton_mma._unblocks(mw.qweight, 8, mw.qweight.shape[0] * 16)
+    for pid_n, t in ((0, 0), (1, 3), (2, 1)):
+        slot = words[pid_n * box[0]:(pid_n + 1) * box[0], 2 * t:2 * t + 2, :]  # the box at the kernel's coordinates
+        w = slot.reshape(rows // 8, 2, 128).reshape(rows // 16, 2, 2, 8, 4, 4).permute(0, 1, 3, 4, 2, 5)
+        w = w.reshape(rows, 32)
+        assert torch.equal(w, row_words[pid_n * rows:(pid_n + 1) * rows, 32 * t:32 * t + 32])
+
+
 @pytest.mark.parametrize("m,k", [(1, 128), (5, 200), (3, 384), (2, 4096)])
 def test_permute_x_kernel_matches_torch(triton_interpreter, m, k):
     g = torch.Generator().manual_seed(m * k)
