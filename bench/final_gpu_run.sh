@@ -8,7 +8,7 @@ mkdir -p "$out"/speed
 export PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$part" = a ]; then
-  timeout 300 python bench/kernels.py --ms 1,2,4,8,16,32,64,128,256,512,1024 --out "$out"/speed 2>&1 | tail -80
+  timeout 330 python bench/kernels.py --ms 1,2,4,8,16,32,64,128,256,512,1024 --out "$out"/speed 2>&1 | tail -80
   timeout 200 python bench/kernels_e2e.py --work /tmp/e2e --out "$out"/e2e.json 2>&1 | tail -8
 else
   timeout 280 python bench/decode_speed.py --work /tmp/decode --out "$out"/decode.json 2>&1 | tail -14

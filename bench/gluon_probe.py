@@ -1,4 +1,4 @@
-"""Configurations of the Gluon W4 GEMM (quantkit/kernels/gluon_gemm.py) against the dispatch and fp16.
+"""Configurations of the Gluon W4 / W8 GEMM (quantkit/kernels/gluon_gemm.py) against the dispatch and fp16.
 
     PYTHONPATH=. python bench/gluon_probe.py [--ms 16,32,48,64,96,128,192,256] [--bits 4|8] [--out DIR]
 
@@ -62,8 +62,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qkv", help="with --launch: the Llama-2-7B linear")
     ap.add_argument("--check-only", action="store_true", help="only the correctness check")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8),
-                    help="weight bits (8: per-channel scales in the timings, as bench/kernels.py; the Gluon "
-                         "GEMM is not in the dispatch for 8 bits, the dispatch column is the GEMV or cuBLAS)")
+                    help="weight bits (8: per-channel scales in the timings, as bench/kernels.py; "
+                         "dispatch.gluon_choice8 was set from this at 8 bits, run 68)")
     args = ap.parse_args()
     bits = args.bits
     timing_gs = 128 if bits == 4 else -1

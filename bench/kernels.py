@@ -30,7 +30,7 @@ from quantkit.kernels import dispatch, triton_mma
 from quantkit.kernels.triton_mma import MmaWeights
 
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
-W8_MS = (1, 16, 64, 256, 1024)
+W8_MS = (1, 16, 64, 128, 256, 512, 1024)
 
 
 def runtime_layout(kw):

@@ -86,6 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ms", default="1,3,16,77,300")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=None, help="only the cases with these weight bits")
     args = ap.parse_args()
     cases = [  # (K, N, bits, group, format, symmetric)
         (4096, 12288, 4, 128, "awq", False), (4096, 4096, 4, 128, "awq", False),
@@ -95,6 +96,8 @@ def main() -> None:
     ]
     if args.quick:
         cases = cases[:2] + cases[4:7]
+    if args.bits:
+        cases = [c for c in cases if c[2] == args.bits]
     worst, failed = 0.0, []
     for i, (k, n, bits, gs, fmt, sym) in enumerate(cases):
         kw, ref_fn = make_layer(k, n, bits, gs, fmt, sym, seed=i)

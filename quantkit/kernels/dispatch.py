@@ -5,9 +5,9 @@ buffers are repacked once into a kernel layout and kept on the layer as a plain 
 the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
   runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
-  in BENCHMARKS.md and bench/KERNELS_NOTES.md); on Hopper, 4-bit weights with fp16 activations, the
-  Gluon GEMM (gluon_gemm) takes 16 < M ≤ 512 where it measured faster (`gluon_choice`). Each layer
-  keeps its GEMV launches per M and dtype (`gemv_launch`), which after the first call skip Triton's
+  in BENCHMARKS.md and bench/KERNELS_NOTES.md); on Hopper, with fp16 activations, the Gluon GEMM
+  (gluon_gemm) takes 16 < M ≤ 512 (W4) or 64 < M ≤ 512 (W8) where it measured faster (`gluon_choice`).
+  Each layer keeps its GEMV launches per M and dtype (`gemv_launch`), which after the first call skip Triton's
   argument binding: an eager call costs about a quarter of the host time it did
   (bench/launch_overhead.py);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
@@ -100,8 +100,9 @@ def choose(bits: int, m: int) -> Choice:
     return TABLE[bits][-1][1]
 
 
-def gluon_choice(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
-    """The Gluon W4 GEMM's configuration for M rows of x, N outputs and K inputs, or None where the mma
+def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choice | None:
+    """The Gluon GEMM's configuration for M rows of x, N outputs and K inputs (8-bit weights:
+    `gluon_choice8`; this docstring is W4's), or None where the mma
     GEMV (M ≤ 32 on most layers) or dequantize + cuBLAS (M > 512) is faster. Measured on the H200 with
     `bench/gluon_probe.py` (four Llama-2-7B shapes, CUDA-graph medians, x permutation included; runs 61–62
     of bench/KERNELS_NOTES.md, items 62–63, M ∈ {16, 32, 64, 128, 256, 512, 1024}; run 58 for M = 96):
@@ -117,18 +118,12 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
       (qkv 93.6 vs 103.3 µs, gate_up 188.6 vs 189.7), which takes M = 1024 (qkv 174 vs 180).
     A choice measured at M holds below it down to the previous measured M: the GEMM's time follows the
     number of BM-row tiles of x."""
+    if bits == 8:
+        return gluon_choice8(m, n, k, sms)
     if m <= 16 or m > 512:
         return None
-    rows = triton.cdiv(n, 16)
-    narrow, wide = rows <= 2 * sms, rows > 6 * sms
-    long_k = k > 8192
-
-    def g(bm: int, stages: int, rows_per_program: int = 64, split: int = 1) -> Choice:
-        p = dict(bm=bm, stages=stages, rows=rows_per_program)
-        if split > 1:
-            p["split"] = split
-        return Choice("gluon", p)
-
+    narrow, wide, long_k = _width(n, k, sms)
+    g = _gluon
     if m <= 32:
         if narrow:
             return g(32, 6, 64, 4 if long_k else 2)
@@ -150,6 +145,42 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
     return g(128, 3)
 
 
+def _width(n: int, k: int, sms: int) -> tuple[bool, bool, bool]:
+    """(narrow, wide, long K) for the Gluon tables: ≤ 2 or > 6 16-row tiles per SM (o and down, gate_up;
+    qkv between), K over 8192 (down)."""
+    rows = triton.cdiv(n, 16)
+    return rows <= 2 * sms, rows > 6 * sms, k > 8192
+
+
+def _gluon(bm: int, stages: int, rows_per_program: int = 64, split: int = 1) -> Choice:
+    p = dict(bm=bm, stages=stages, rows=rows_per_program)
+    if split > 1:
+        p["split"] = split
+    return Choice("gluon", p)
+
+
+def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
+    """The Gluon GEMM's configuration for 8-bit per-channel weights, or None where the mma GEMV (M ≤ 64)
+    or dequantize + cuBLAS (M > 512) runs. Measured on the H200 (run 68 of bench/KERNELS_NOTES.md, item
+    69: `bench/gluon_probe.py --bits 8 --ms 128,256,512,1024`, CUDA-graph medians, four Llama-2-7B
+    shapes; dequantize + cuBLAS, the kernel these M had before, took 27–135 µs there):
+    - M ≤ 128: qkv BM 64, 3 slots (32.5 µs; dequantize + cuBLAS 73.5), gate_up 128 rows per program
+      (63.7; 128.6), o and down BM 128 split 2 (18.8 and 37.0; 27.4 and 69.5). M = 65–127 are not
+      measured: the M = 128 choice, where dequantize + cuBLAS was 1.5–2.3× slower.
+    - M ≤ 256: qkv BM 64 (61.8), gate_up 128 rows (101.5), o and down BM 128 unsplit (22.3, 56.0).
+    - M ≤ 512: BM 128 and 128 rows per program everywhere (qkv 101.4 against 109.3 for dequantize +
+      cuBLAS, o 33.3 / 38.3, gate_up 200.9 / 197.7, level, down 82.4 / 96.3); at M = 1024 dequantize +
+      cuBLAS is 14–28 % faster than the best GEMM (qkv 179.3 vs 203.9)."""
+    if m <= 64 or m > 512:
+        return None
+    narrow, wide, _ = _width(n, k, sms)
+    if m <= 256:
+        if narrow:
+            return _gluon(128, 3, 64, 2 if m <= 128 else 1)
+        return _gluon(128, 4, 128) if wide else _gluon(64, 3)
+    return _gluon(128, 4, 128)
+
+
 def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: int = 0,
                gluon: bool = False) -> Choice:
     """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs (`pdl`: the GPU
@@ -164,11 +195,11 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: i
     dependent launch (prefetch of one K-tile per warp before the wait) wherever it measured faster:
     4–20 % at M ≤ 16 except for the 2-warp programs of gate_up, which it slowed by 12 %. Each choice
     is the fastest configuration timed for its shape and M, or within 3 % of it. Above M = 64
-    dequantize + cuBLAS. With `gluon` (4-bit weights, fp16 activations, Hopper: gluon_gemm.supports)
-    the Gluon GEMM takes the rows of M where `gluon_choice` measured it faster.
+    dequantize + cuBLAS. With `gluon` (fp16 activations on Hopper: gluon_gemm.supports) the Gluon GEMM
+    takes the rows of M where `gluon_choice` (W4) or `gluon_choice8` (W8) measured it faster.
     """
-    if gluon and bits == 4:
-        choice = gluon_choice(m, n, k, sms)
+    if gluon:
+        choice = gluon_choice(m, n, k, sms, bits)
         if choice is not None:
             return choice
     if m > 64:

@@ -24,14 +24,15 @@ fp16 output, optional bias. Layers too narrow to fill the GPU split K over 2–8
 tile, summed by the last of them in the same launch (item 63). 4- or 8-bit weights, group sizes that are
 multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA).
 
-8-bit words (eighth session; compiled for sm_90 and checked on the CPU, not yet run on a GPU, so the
-dispatch does not choose it): thread (g, t) holds words 8·t … 8·t + 7 (word 8·t + 2·c + h holds inputs
-32·c + 8·t + 4·h + byte), one `prmt` and two `fma` per fp16 pair (DEQ8_ASM, the W8 GEMV's arithmetic);
-its dot order is the 4-bit one with the byte's high bit in place of i, so `permute_x` serves both. A
-slot's 8-bit block is [row half, chunk, g, t, 4 words] in memory, loaded as a [ROWS / 8, 2, 128] view
-and relabelled to (row, word) without data movement. The Gluon API is experimental: this module is written against the Triton 3.6
-and 3.9 spellings and reports itself unavailable where the import fails. Figures: BENCHMARKS.md
-("Kernels") and bench/KERNELS_NOTES.md, items 51–66.
+8-bit words: thread (g, t) holds words 8·t … 8·t + 7 (word 8·t + 2·c + h holds inputs 32·c + 8·t +
+4·h + byte), one `prmt` and two `fma` per fp16 pair (DEQ8_ASM, the W8 GEMV's arithmetic); its dot
+order is the 4-bit one with the byte's high bit in place of i, so `permute_x` serves both. A slot's
+8-bit block is [row half, chunk, g, t, 4 words] in memory, copied as a 3-D TMA box (`w_box`: a box is
+at most 256 wide), viewed as [ROWS / 8, 2, 128] and relabelled to (row, word) without data movement;
+the dispatch takes it for 64 < M ≤ 512 (`dispatch.gluon_choice8`, run 68). The Gluon API is
+experimental: this module is written against the Triton 3.6 and 3.9 spellings and reports itself
+unavailable where the import fails. Figures: BENCHMARKS.md
+("Kernels") and bench/KERNELS_NOTES.md, items 51–69.
 """
 
 from __future__ import annotations

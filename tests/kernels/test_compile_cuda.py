@@ -153,16 +153,14 @@ GLUON_SCRIPT = textwrap.dedent("""
 
 
     seen = set()
-    for m in range(17, 513):
-        for k, n in ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)):
-            c = dispatch.gluon_choice(m, n, k)
-            if c is None or tuple(c.params.values()) in seen:
-                continue
-            seen.add(tuple(c.params.values()))
-            check(c.params["bm"], c.params["stages"], c.params["rows"], c.params.get("split", 1), 4)
-    # 8-bit words: not in the dispatch until measured (bench/gluon_probe.py --bits 8)
-    for cfg in ((32, 6, 64, 1), (64, 4, 64, 1), (128, 3, 64, 1), (64, 4, 128, 1), (64, 4, 64, 4)):
-        check(*cfg, 8)
+    for bits in (4, 8):
+        for m in range(17, 513):
+            for k, n in ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)):
+                c = dispatch.gluon_choice(m, n, k, bits=bits)
+                if c is None or (bits, *c.params.values()) in seen:
+                    continue
+                seen.add((bits, *c.params.values()))
+                check(c.params["bm"], c.params["stages"], c.params["rows"], c.params.get("split", 1), bits)
     print("gluon configurations", len(seen))
 """)
 
@@ -176,6 +174,7 @@ def test_gluon_gemm_compiles_for_hopper():
     assert proc.returncode == 0, proc.stderr[-3000:]
     from quantkit.kernels import dispatch
 
-    picked = {tuple(c.params.values()) for m in range(17, 513) for k, n in ((4096, 12288), (4096, 4096),
-              (4096, 22016), (11008, 4096)) if (c := dispatch.gluon_choice(m, n, k)) is not None}
-    assert len(picked) >= 4 and int(proc.stdout.split()[-1]) == len(picked)
+    picked = {(bits, *c.params.values()) for bits in (4, 8) for m in range(17, 513) for k, n in
+              ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096))
+              if (c := dispatch.gluon_choice(m, n, k, bits=bits)) is not None}
+    assert len({p for p in picked if p[0] == 8}) >= 4 and int(proc.stdout.split()[-1]) == len(picked)
