@@ -40,11 +40,17 @@ LARGE = [(64, 3, 64, 1), (128, 3, 64, 1), (128, 2, 64, 1), (128, 4, 128, 1), (12
          (128, 2, 64, 2)]
 
 
+ONLY: list[tuple[int, int, int, int]] = []  # --only: these configurations instead of SMALL and LARGE
+
+
 def _variants(m: int | None = None):
     """(label, fn(x, mw, out)) for every configuration timed at M rows of x (all of them for None)."""
     from quantkit.kernels import gluon_gemm
 
-    configs = SMALL + [c for c in LARGE if c not in SMALL] if m is None else SMALL if m <= 64 else LARGE
+    if ONLY:
+        configs = ONLY
+    else:
+        configs = SMALL + [c for c in LARGE if c not in SMALL] if m is None else SMALL if m <= 64 else LARGE
     return [(f"gg{cfg}", lambda x, mw, o, cfg=cfg: gluon_gemm.gemm(x, mw, None, o, *cfg)) for cfg in configs]
 
 
@@ -65,7 +71,11 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8),
                     help="weight bits (8: per-channel scales in the timings, as bench/kernels.py; "
                          "dispatch.gluon_choice8 was set from this at 8 bits, run 68)")
+    ap.add_argument("--only", default=None, metavar="BM,SLOTS,ROWS,SPLIT;...",
+                    help="check and time only these configurations (instead of SMALL / LARGE)")
     args = ap.parse_args()
+    if args.only:
+        ONLY.extend(tuple(int(v) for v in c.split(",")) for c in args.only.split(";"))
     bits = args.bits
     timing_gs = 128 if bits == 4 else -1
     ms = [int(v) for v in args.ms.split(",")]
@@ -109,7 +119,7 @@ def main() -> None:
     # split K: the same bits on every call, whichever program of a tile arrives last
     mw = random_mw(11008, 4096, bits, 128)
     x = torch.randn(64, 11008, device="cuda", dtype=torch.float16)
-    for cfg in [c for c in SMALL + LARGE if c[3] > 1 and not args.no_check]:
+    for cfg in [c for c in (ONLY or SMALL + LARGE) if c[3] > 1 and not args.no_check]:
         first = gluon_gemm.gemm(x, mw, None, None, *cfg)
         same = all(torch.equal(first, gluon_gemm.gemm(x, mw, None, None, *cfg)) for _ in range(30))
         fails += not same

@@ -6,7 +6,8 @@ the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
   runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
   in BENCHMARKS.md and bench/KERNELS_NOTES.md); on Hopper, with fp16 activations, the Gluon GEMM
-  (gluon_gemm) takes 16 < M ≤ 512 (W4) or 64 < M ≤ 512 (W8) where it measured faster (`gluon_choice`).
+  (gluon_gemm) takes 16 < M ≤ 512 (W4) or 64 < M ≤ 512 (W8), to 1024 on wide layers, where it measured
+  faster (`gluon_choice`).
   Each layer keeps its GEMV launches per M and dtype (`gemv_launch`), which after the first call skip Triton's
   argument binding: an eager call costs about a quarter of the host time it did
   (bench/launch_overhead.py);
@@ -103,7 +104,7 @@ def choose(bits: int, m: int) -> Choice:
 def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choice | None:
     """The Gluon GEMM's configuration for M rows of x, N outputs and K inputs (8-bit weights:
     `gluon_choice8`; this docstring is W4's), or None where the mma
-    GEMV (M ≤ 32 on most layers) or dequantize + cuBLAS (M > 512) is faster. Measured on the H200 with
+    GEMV (M ≤ 32 on most layers) or dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) is faster. Measured on the H200 with
     `bench/gluon_probe.py` (four Llama-2-7B shapes, CUDA-graph medians, x permutation included; runs 61–62
     of bench/KERNELS_NOTES.md, items 62–63, M ∈ {16, 32, 64, 128, 256, 512, 1024}; run 58 for M = 96):
     - M ≤ 16: the GEMV everywhere (o 8.3 µs against 11.3 for the best GEMM; qkv 14.8 against 18.9).
@@ -113,14 +114,17 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choic
       GEMV 38.5).
     - M ≤ 128: 128 rows of x per program: qkv 30.7, gate_up 51.0 (61.0 at BM 64), down split 2 33.7
       (45.3); o keeps BM 64 (16.4 vs 17.5). Run 58's choices for M ≤ 96 on qkv and gate_up.
-    - M ≤ 512: BM 128; qkv with two ring slots at M ≤ 256 (52.7 vs 55.8 µs), down split 2 (50.3 vs
-      54.2); at M = 512 BM 128 and three slots everywhere, 1–12 % faster than dequantize + cuBLAS
-      (qkv 93.6 vs 103.3 µs, gate_up 188.6 vs 189.7), which takes M = 1024 (qkv 174 vs 180).
+    - M ≤ 256: BM 128; qkv with two ring slots (52.7 vs 55.8 µs), down split 2 (50.3 vs 54.2); gate_up
+      BM 256 (run 72, item 72: 86.4 vs 90.9 µs; 348 bytes of spills per thread at BM 256, 255 registers).
+    - M ≤ 512: BM 256, three slots (run 72: qkv 86.9 vs 90.9 µs for BM 128, o 29.3 vs 31.5, down 78.2 vs
+      83.6, gate_up 172.3 vs 170.8, level); dequantize + cuBLAS was 2–12 % slower than BM 128 (run 62).
+    - M ≤ 1024: gate_up BM 256 (316.4 vs 347.9 µs for dequantize + cuBLAS, run 72); the others
+      dequantize + cuBLAS (qkv and o level with the GEMM, down 4 % faster), as everything above 1024.
     A choice measured at M holds below it down to the previous measured M: the GEMM's time follows the
     number of BM-row tiles of x."""
     if bits == 8:
         return gluon_choice8(m, n, k, sms)
-    if m <= 16 or m > 512:
+    if m <= 16 or m > 1024:
         return None
     narrow, wide, long_k = _width(n, k, sms)
     g = _gluon
@@ -141,8 +145,10 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choic
     if m <= 256:
         if narrow and long_k:
             return g(128, 3, 64, 2)
-        return g(128, 3) if narrow or wide else g(128, 2)
-    return g(128, 3)
+        return g(128, 3) if narrow else g(256, 3) if wide else g(128, 2)
+    if m <= 512:
+        return g(256, 3)
+    return g(256, 3) if wide else None
 
 
 def _width(n: int, k: int, sms: int) -> tuple[bool, bool, bool]:
@@ -161,24 +167,30 @@ def _gluon(bm: int, stages: int, rows_per_program: int = 64, split: int = 1) -> 
 
 def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
     """The Gluon GEMM's configuration for 8-bit per-channel weights, or None where the mma GEMV (M ≤ 64)
-    or dequantize + cuBLAS (M > 512) runs. Measured on the H200 (run 68 of bench/KERNELS_NOTES.md, item
+    or dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) runs. Measured on the H200 (run 68 of bench/KERNELS_NOTES.md, item
     69: `bench/gluon_probe.py --bits 8 --ms 128,256,512,1024`, CUDA-graph medians, four Llama-2-7B
     shapes; dequantize + cuBLAS, the kernel these M had before, took 27–135 µs there):
     - M ≤ 128: qkv BM 64, 3 slots (32.5 µs; dequantize + cuBLAS 73.5), gate_up 128 rows per program
       (63.7; 128.6), o and down BM 128 split 2 (18.8 and 37.0; 27.4 and 69.5). M = 65–127 are not
       measured: the M = 128 choice, where dequantize + cuBLAS was 1.5–2.3× slower.
-    - M ≤ 256: qkv BM 64 (61.8), gate_up 128 rows (101.5), o and down BM 128 unsplit (22.3, 56.0).
-    - M ≤ 512: BM 128 and 128 rows per program everywhere (qkv 101.4 against 109.3 for dequantize +
-      cuBLAS, o 33.3 / 38.3, gate_up 200.9 / 197.7, level, down 82.4 / 96.3); at M = 1024 dequantize +
-      cuBLAS is 14–28 % faster than the best GEMM (qkv 179.3 vs 203.9)."""
-    if m <= 64 or m > 512:
+    - M ≤ 256: o and down BM 128 unsplit (22.3, 56.0); qkv and gate_up BM 256 (run 72, item 72: 58.4
+      and 90.4 µs against 61.9 for BM 64 and 96.2 for 128 rows per program).
+    - M ≤ 512: BM 256 everywhere (run 72: qkv 92.7 against 98.0 for BM 128 with 128 rows, o 30.6 / 33.7,
+      gate_up 177.9 / 194.8, down 78.3 / 83.7; dequantize + cuBLAS 98–204).
+    - M ≤ 1024: gate_up BM 256 (329.7 vs 349.0 µs for dequantize + cuBLAS); the others dequantize +
+      cuBLAS (qkv 176.2 vs 181.1, down 151.7 vs 154.0, o level), as everything above 1024."""
+    if m <= 64 or m > 1024:
         return None
     narrow, wide, _ = _width(n, k, sms)
-    if m <= 256:
+    if m <= 128:
         if narrow:
-            return _gluon(128, 3, 64, 2 if m <= 128 else 1)
+            return _gluon(128, 3, 64, 2)
         return _gluon(128, 4, 128) if wide else _gluon(64, 3)
-    return _gluon(128, 4, 128)
+    if m <= 256:
+        return _gluon(128, 3) if narrow else _gluon(256, 3)
+    if m <= 512:
+        return _gluon(256, 3)
+    return _gluon(256, 3) if wide else None
 
 
 def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: int = 0,

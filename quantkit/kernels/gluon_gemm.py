@@ -362,7 +362,7 @@ def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out:
          bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor | None:
     """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4- or 8-bit weights in the mma layout (`supports`):
     x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch (`out`, if given,
-    may be strided: it is then written through a copy). bm: rows of x per program (16 … 128); stages:
+    may be strided: it is then written through a copy). bm: rows of x per program (16 … 256); stages:
     ring slots; rows: weight rows per program (64 per warpgroup); split: programs sharing each output
     tile's K, for layers too narrow to fill the GPU (fp32 partial sums through a [split, M, N] workspace,
     added by the last program of each tile, in the same launch).

@@ -154,7 +154,7 @@ GLUON_SCRIPT = textwrap.dedent("""
 
     seen = set()
     for bits in (4, 8):
-        for m in range(17, 513):
+        for m in range(17, 1025):
             for k, n in ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)):
                 c = dispatch.gluon_choice(m, n, k, bits=bits)
                 if c is None or (bits, *c.params.values()) in seen:
@@ -174,7 +174,7 @@ def test_gluon_gemm_compiles_for_hopper():
     assert proc.returncode == 0, proc.stderr[-3000:]
     from quantkit.kernels import dispatch
 
-    picked = {(bits, *c.params.values()) for bits in (4, 8) for m in range(17, 513) for k, n in
+    picked = {(bits, *c.params.values()) for bits in (4, 8) for m in range(17, 1025) for k, n in
               ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096))
               if (c := dispatch.gluon_choice(m, n, k, bits=bits)) is not None}
     assert len({p for p in picked if p[0] == 8}) >= 4 and int(proc.stdout.split()[-1]) == len(picked)

@@ -36,8 +36,11 @@ def test_mma_choice_row_tiles_and_pdl():
 def test_gluon_choice_by_shape_and_rows_of_x():
     qkv, o, gate_up, down = (4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)
     for k, n in (qkv, o, gate_up, down):
-        for m in (1, 16, 513, 1024):  # the GEMV below, dequantize + cuBLAS above
+        for m in (1, 16, 1025):  # the GEMV below, dequantize + cuBLAS above
             assert dispatch.gluon_choice(m, n, k) is None
+        assert dispatch.gluon_choice(512, n, k).params == dict(bm=256, stages=3, rows=64)
+        # above 512 only the wide layer keeps the GEMM
+        assert (dispatch.gluon_choice(1024, n, k) is None) == (n != gate_up[1])
     assert dispatch.gluon_choice(32, gate_up[1], 4096).params == dict(bm=32, stages=6, rows=64)
     assert dispatch.gluon_choice(32, qkv[1], 4096) is None
     assert dispatch.gluon_choice(32, o[1], o[0]).params == dict(bm=32, stages=6, rows=64, split=2)
@@ -49,24 +52,26 @@ def test_gluon_choice_by_shape_and_rows_of_x():
     assert dispatch.gluon_choice(96, gate_up[1], 4096).params == dict(bm=64, stages=4, rows=128)
     assert dispatch.gluon_choice(128, down[1], down[0]).params == dict(bm=128, stages=3, rows=64, split=2)
     assert dispatch.gluon_choice(128, o[1], o[0]).params == dict(bm=64, stages=4, rows=64)
-    assert dispatch.gluon_choice(256, gate_up[1], 4096).params == dict(bm=128, stages=3, rows=64)
     assert dispatch.gluon_choice(256, qkv[1], 4096).params == dict(bm=128, stages=2, rows=64)
-    assert dispatch.gluon_choice(512, down[1], down[0]).params == dict(bm=128, stages=3, rows=64)
+    assert dispatch.gluon_choice(200, gate_up[1], 4096).params == dict(bm=256, stages=3, rows=64)
     assert dispatch.gluon_choice(513, qkv[1], 4096) is None  # dequantize + cuBLAS
 
 
 def test_gluon_choice_for_8bit_weights():
     qkv, o, gate_up, down = (4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)
     for k, n in (qkv, o, gate_up, down):
-        for m in (1, 32, 64, 513, 1024):  # the GEMV below, dequantize + cuBLAS above (run 68)
+        for m in (1, 32, 64, 1025):  # the GEMV below, dequantize + cuBLAS above (runs 68, 72)
             assert dispatch.gluon_choice(m, n, k, bits=8) is None
-        assert dispatch.gluon_choice(512, n, k, bits=8).params == dict(bm=128, stages=4, rows=128)
+        assert (dispatch.gluon_choice(1024, n, k, bits=8) is None) == (n != gate_up[1])
+        assert dispatch.gluon_choice(512, n, k, bits=8).params == dict(bm=256, stages=3, rows=64)
     assert dispatch.gluon_choice(100, o[1], o[0], bits=8).params == dict(bm=128, stages=3, rows=64, split=2)
     assert dispatch.gluon_choice(256, down[1], down[0], bits=8).params == dict(bm=128, stages=3, rows=64)
     assert dispatch.gluon_choice(128, qkv[1], 4096, bits=8).params == dict(bm=64, stages=3, rows=64)
-    assert dispatch.gluon_choice(200, gate_up[1], 4096, bits=8).params == dict(bm=128, stages=4, rows=128)
+    assert dispatch.gluon_choice(200, gate_up[1], 4096, bits=8).params == dict(bm=256, stages=3, rows=64)
+    assert dispatch.gluon_choice(100, gate_up[1], 4096, bits=8).params == dict(bm=128, stages=4, rows=128)
     # W4 differs at the same M (its own table)
-    assert dispatch.gluon_choice(512, qkv[1], 4096).params == dict(bm=128, stages=3, rows=64)
+    assert dispatch.gluon_choice(256, qkv[1], 4096).params == dict(bm=128, stages=2, rows=64)
+    assert dispatch.gluon_choice(256, qkv[1], 4096, bits=8).params == dict(bm=256, stages=3, rows=64)
 
 
 def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
