@@ -6,8 +6,7 @@ the layer moves to another device:
 - on a CUDA GPU, layers the tensor-core GEMV takes (triton_mma.supports) get the mma layout: M ≤ 64
   runs the mma GEMV, larger M dequantizes (mma layout) and calls cuBLAS (`mma_choice`, figures
   in BENCHMARKS.md and bench/KERNELS_NOTES.md); on Hopper, with fp16 activations, the Gluon GEMM
-  (gluon_gemm) takes 16 < M ≤ 512 (W4) or 64 < M ≤ 512 (W8), to 1024 on wide layers, where it measured
-  faster (`gluon_choice`).
+  (gluon_gemm) takes 16 < M ≤ 512, to 1024 on wide layers, where it measured faster (`gluon_choice`).
   Each layer keeps its GEMV launches per M and dtype (`gemv_launch`), which after the first call skip Triton's
   argument binding: an eager call costs about a quarter of the host time it did
   (bench/launch_overhead.py);
@@ -166,11 +165,14 @@ def _gluon(bm: int, stages: int, rows_per_program: int = 64, split: int = 1) -> 
 
 
 def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
-    """The Gluon GEMM's configuration for 8-bit per-channel weights, or None where the mma GEMV (M ≤ 64)
-    or dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) runs. Measured on the H200 (run 68 of bench/KERNELS_NOTES.md, item
-    69: `bench/gluon_probe.py --bits 8 --ms 128,256,512,1024`, CUDA-graph medians, four Llama-2-7B
-    shapes; dequantize + cuBLAS, the kernel these M had before, took 27–135 µs there):
-    - M ≤ 128: qkv BM 64, 3 slots (32.5 µs; dequantize + cuBLAS 73.5), gate_up 128 rows per program
+    """The Gluon GEMM's configuration for 8-bit per-channel weights, or None where the mma GEMV (M ≤ 16)
+    or dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) runs. Measured on the H200 (runs
+    68, 70 and 72 of bench/KERNELS_NOTES.md, item 69: `bench/gluon_probe.py --bits 8`, CUDA-graph
+    medians, four Llama-2-7B shapes, M ∈ {32, 64, 128, 256, 512, 1024}; M ≤ 16 not probed):
+    - M ≤ 32 (run 70): qkv 21.1 µs against the GEMV's 23.5, o split 2 12.4 / 14.1, gate_up with four
+      slots 30.2 / 36.0, down split 4 20.3 / 27.5.
+    - M ≤ 64 (run 70): qkv 23.4 / 39.3, o split 2 13.0 / 19.8, gate_up 34.0 / 79.3, down split 4 24.5 / 42.7.
+    - M ≤ 128 (run 68): qkv BM 64, 3 slots (32.5 µs; dequantize + cuBLAS 73.5), gate_up 128 rows per program
       (63.7; 128.6), o and down BM 128 split 2 (18.8 and 37.0; 27.4 and 69.5). M = 65–127 are not
       measured: the M = 128 choice, where dequantize + cuBLAS was 1.5–2.3× slower.
     - M ≤ 256: o and down BM 128 unsplit (22.3, 56.0); qkv and gate_up BM 256 (run 72, item 72: 58.4
@@ -179,9 +181,17 @@ def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
       gate_up 177.9 / 194.8, down 78.3 / 83.7; dequantize + cuBLAS 98–204).
     - M ≤ 1024: gate_up BM 256 (329.7 vs 349.0 µs for dequantize + cuBLAS); the others dequantize +
       cuBLAS (qkv 176.2 vs 181.1, down 151.7 vs 154.0, o level), as everything above 1024."""
-    if m <= 64 or m > 1024:
+    if m <= 16 or m > 1024:
         return None
-    narrow, wide, _ = _width(n, k, sms)
+    narrow, wide, long_k = _width(n, k, sms)
+    if m <= 32:
+        if narrow:
+            return _gluon(32, 6, 64, 4 if long_k else 2)
+        return _gluon(32, 4) if wide else _gluon(32, 6)
+    if m <= 64:
+        if narrow:
+            return _gluon(64, 4, 64, 4 if long_k else 2)
+        return _gluon(64, 3) if wide else _gluon(64, 4)
     if m <= 128:
         if narrow:
             return _gluon(128, 3, 64, 2)

@@ -60,10 +60,13 @@ def test_gluon_choice_by_shape_and_rows_of_x():
 def test_gluon_choice_for_8bit_weights():
     qkv, o, gate_up, down = (4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)
     for k, n in (qkv, o, gate_up, down):
-        for m in (1, 32, 64, 1025):  # the GEMV below, dequantize + cuBLAS above (runs 68, 72)
+        for m in (1, 16, 1025):  # the GEMV below, dequantize + cuBLAS above (runs 68, 70, 72)
             assert dispatch.gluon_choice(m, n, k, bits=8) is None
         assert (dispatch.gluon_choice(1024, n, k, bits=8) is None) == (n != gate_up[1])
         assert dispatch.gluon_choice(512, n, k, bits=8).params == dict(bm=256, stages=3, rows=64)
+    assert dispatch.gluon_choice(32, gate_up[1], 4096, bits=8).params == dict(bm=32, stages=4, rows=64)
+    assert dispatch.gluon_choice(32, qkv[1], 4096, bits=8).params == dict(bm=32, stages=6, rows=64)  # W4: the GEMV
+    assert dispatch.gluon_choice(64, down[1], down[0], bits=8).params == dict(bm=64, stages=4, rows=64, split=4)
     assert dispatch.gluon_choice(100, o[1], o[0], bits=8).params == dict(bm=128, stages=3, rows=64, split=2)
     assert dispatch.gluon_choice(256, down[1], down[0], bits=8).params == dict(bm=128, stages=3, rows=64)
     assert dispatch.gluon_choice(128, qkv[1], 4096, bits=8).params == dict(bm=64, stages=3, rows=64)
@@ -78,8 +81,8 @@ def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
     assert dispatch.mma_choice(4, 64, 12288, k=4096, gluon=True).method == "gluon"
     assert dispatch.mma_choice(4, 64, 12288, k=4096, gluon=False).method == "mma"
     assert dispatch.mma_choice(4, 100, 12288, k=4096, gluon=False).method == "dequant+cublas"
-    assert dispatch.mma_choice(8, 64, 12288, k=4096, gluon=True).method == "mma"  # W8: the GEMV to M = 64
-    assert dispatch.mma_choice(8, 65, 12288, k=4096, gluon=True).method == "gluon"
+    assert dispatch.mma_choice(8, 16, 12288, k=4096, gluon=True).method == "mma"  # W8: the GEMV to M = 16
+    assert dispatch.mma_choice(8, 17, 12288, k=4096, gluon=True).method == "gluon"
     # on the CPU the layer never gets it
     mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(torch.zeros(16, 256, dtype=torch.long), 4),
                                                       torch.ones(16, 2).half(), torch.zeros(16, 2, dtype=torch.uint8),
