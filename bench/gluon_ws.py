@@ -30,7 +30,7 @@ import triton
 from quantkit.kernels import gluon_gemm as gg
 
 if gg.gluon is not None:
-    from quantkit.kernels.gluon_gemm import TK, _a_operand, _a_operand8, _barrier, _tma_load, _w_load, _words, gl, gluon
+    from quantkit.kernels.gluon_gemm import TK, _a_tile, _barrier, _scales, _tma_load, _w_load, gl, gluon
     from quantkit.kernels.gluon_gemm import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
@@ -54,14 +54,8 @@ if gg.gluon is not None:
         that step's slot."""
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        w = _words(wbuf.index(slot), ROWS, BITS, load_l, words_l)
-        if BITS == 4:
-            a = _a_operand(w, z, s, a_l, ROWS)
-        else:
-            a = _a_operand8(w, z, s, a_l, ROWS)
-        gi = gl.minimum((i + 1) * TK // group_size, G - 1)
-        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
-        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        a = _a_tile(wbuf.index(slot), z, s, ROWS, BITS, load_l, words_l, a_l)
+        s, z = _scales(i + 1, s_ptr, z_ptr, rows, row_ok, G, group_size)
         acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
@@ -79,8 +73,7 @@ if gg.gluon is not None:
         rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
         row_ok = rows < N
         acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
-        s = gl.load(s_ptr + rows * G, mask=row_ok, other=0.0)[:, None]
-        z = gl.load(z_ptr + rows * G, mask=row_ok, other=0).to(gl.int32)[:, None]
+        s, z = _scales(0, s_ptr, z_ptr, rows, row_ok, G, group_size)
         for i in range(0, KT - 1, 2):
             acc, s, z = _ws_step(i, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G, group_size,
                                  STAGES, ROWS, BITS, load_l, words_l, a_l)

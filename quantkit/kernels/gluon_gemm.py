@@ -149,15 +149,28 @@ if gluon is not None:
         return b | (b << 16)
 
     @gluon.jit
+    def _values(w, z, s, BITS: gl.constexpr):
+        """Words (zero points z int32 and scales s fp16, [rows, 1]) → their dequantized values, [rows, words,
+        2, 2, 2] (W4: value bits e, i, h of the word's input offset 4·h + 2·i + e) or [rows, words, 2, 2]
+        (W8: byte bits 0, 1)."""
+        if BITS == 4:
+            q = gl.inline_asm_elementwise(
+                _ASM, _CONS,
+                [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(-(z + 64).to(gl.float32)), _pair_bits(s)],
+                dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+            return gl.join(gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3])),
+                           gl.join(gl.join(q[4], q[5]), gl.join(q[6], q[7])))
+        else:
+            q = gl.inline_asm_elementwise(_ASM8, _CONS8, [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(s)],
+                                          dtype=(gl.float16,) * 4, is_pure=True, pack=1)
+            return gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3]))
+
+    @gluon.jit
     def _a_operand(w, z, s, a_l: gl.constexpr, ROWS: gl.constexpr):
         """[ROWS, 16] words (zero points z int32 and scales s fp16, [ROWS, 1]) → the [ROWS, 128] wgmma A
         operand in dot order, without data movement."""
-        q = gl.inline_asm_elementwise(
-            _ASM, _CONS,
-            [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(-(z + 64).to(gl.float32)), _pair_bits(s)],
-            dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-        v = gl.join(gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3])), gl.join(gl.join(q[4], q[5]), gl.join(q[6], q[7])))
-        v = gl.reshape(v, [ROWS, 2, 2, 2, 2, 2, 2, 2])  # rows, t1 t0 c1 c0 (the word), e i h (the value)
+        # rows, t1 t0 c1 c0 (the word), e i h (the value)
+        v = gl.reshape(_values(w, z, s, 4), [ROWS, 2, 2, 2, 2, 2, 2, 2])
         v = gl.permute(v, (0, 3, 4, 7, 6, 1, 2, 5))  # rows, c1 c0 h i t1 t0 e
         return gl.convert_layout(gl.reshape(v, [ROWS, TK]), a_l, assert_trivial=True)
 
@@ -166,10 +179,8 @@ if gluon is not None:
         """[ROWS, 32] 8-bit words (word 8·t + 2·c + h holds inputs 32·c + 8·t + 4·h + byte) → the [ROWS,
         128] wgmma A operand in the same dot order as the 4-bit one (c1 c0 h, byte bit 1, t1 t0, byte
         bit 0), so x is permuted alike."""
-        q = gl.inline_asm_elementwise(_ASM8, _CONS8, [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(s)],
-                                      dtype=(gl.float16,) * 4, is_pure=True, pack=1)
-        v = gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3]))
-        v = gl.reshape(v, [ROWS, 4, 4, 2, 2, 2])  # rows, t, c, h (the word), e, byte bit 1 (the value)
+        # rows, t, c, h (the word), e, byte bit 1 (the value)
+        v = gl.reshape(_values(w, z, s, 8), [ROWS, 4, 4, 2, 2, 2])
         v = gl.permute(v, (0, 2, 3, 5, 1, 4))  # rows, c, h, byte bit 1, t, e
         return gl.convert_layout(gl.reshape(v, [ROWS, TK]), a_l, assert_trivial=True)
 
@@ -195,19 +206,12 @@ if gluon is not None:
         z = gl.convert_layout(gl.sum(z, axis=1), rows_l, assert_trivial=True)[:, None]
         s = gl.convert_layout(gl.sum(s, axis=1), rows_l, assert_trivial=True)[:, None]
         if BITS == 4:
-            q = gl.inline_asm_elementwise(
-                _ASM, _CONS,
-                [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(-(z + 64).to(gl.float32)), _pair_bits(s)],
-                dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-            v = gl.join(gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3])),
-                        gl.join(gl.join(q[4], q[5]), gl.join(q[6], q[7])))
-            v = gl.reshape(v, [ROWS, 2, 2, 2, 2, 2, 2])  # rows, t1 t0 c0 (the word), e i h (the value)
+            # rows, t1 t0 c0 (the word), e i h (the value)
+            v = gl.reshape(_values(w, z, s, 4), [ROWS, 2, 2, 2, 2, 2, 2])
             v = gl.permute(v, (0, 3, 6, 5, 1, 2, 4))  # rows, c0 h i t1 t0 e
         else:
-            q = gl.inline_asm_elementwise(_ASM8, _CONS8, [w, _pair_bits(-(z + 1024).to(gl.float32)), _pair_bits(s)],
-                                          dtype=(gl.float16,) * 4, is_pure=True, pack=1)
-            v = gl.join(gl.join(q[0], q[1]), gl.join(q[2], q[3]))
-            v = gl.reshape(v, [ROWS, 4, 2, 2, 2, 2])  # rows, t, c0, h (the word), e, byte bit 1 (the value)
+            # rows, t, c0, h (the word), e, byte bit 1 (the value)
+            v = gl.reshape(_values(w, z, s, 8), [ROWS, 4, 2, 2, 2, 2])
             v = gl.permute(v, (0, 2, 3, 5, 1, 4))  # rows, c0, h, byte bit 1, t, e
         return gl.convert_layout(gl.reshape(v, [ROWS, TK // 2]), a_l, assert_trivial=True)
 
@@ -219,7 +223,6 @@ if gluon is not None:
         """`_step` in two wgmma groups of 64 inputs (HALF): each half's A operand is half the registers, and
         the two halves of a step are different registers, so one step per loop iteration suffices (the
         wgmma of a half runs while the next half is dequantized)."""
-        t = k0 + i
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         lo, hi = _halves(_words(wbuf.index(slot), ROWS, BITS, load_l, words_l), ROWS, BITS)
@@ -228,17 +231,10 @@ if gluon is not None:
         acc = warpgroup_mma(a, xs.slice(0, TK // 2, dim=1).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # step i − 1's second half is done
         a = _a_half(hi, z, s, a_l, ROWS, BITS)
-        gi = gl.minimum((t + 1) * TK // group_size, G - 1)  # next step's scales, loaded a step ahead
-        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
-        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        s, z = _scales(k0 + i + 1, s_ptr, z_ptr, rows, row_ok, G, group_size)  # the next step's, a step ahead
         acc = warpgroup_mma(a, xs.slice(TK // 2, TK // 2, dim=1).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # this step's first half is done
-        _barrier()  # … in every warp, and every warp has read its words of step i − 1
-        ni = i + STAGES - 1  # into the slot of step i − 1
-        ns = ni % STAGES
-        mbarrier.expect(ready.index(ns), BYTES, pred=ni < NK)
-        _tma_load(x_desc, [pid_m * BM, (k0 + ni) * TK], ready.index(ns), xbuf.index(ns), pred=ni < NK)
-        _w_load(w_desc, pid_n, k0 + ni, ready.index(ns), wbuf.index(ns), ni < NK, ROWS, BITS)
+        _refill(i, k0, NK, xbuf, wbuf, ready, x_desc, w_desc, pid_m, pid_n, BM, STAGES, ROWS, BYTES, BITS)
         return acc, s, z
 
     @gluon.jit
@@ -249,26 +245,45 @@ if gluon is not None:
         """Step i of the K loop (K-tile k0 + i): wait for its slot, dequantize its words (scales s, zero
         points z), start its wgmma, retire step i − 1's, refill that step's slot with K-tile i + STAGES − 1.
         Returns the accumulator and the next step's scales and zero points."""
-        t = k0 + i
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        w = _words(wbuf.index(slot), ROWS, BITS, load_l, words_l)
-        if BITS == 4:
-            a = _a_operand(w, z, s, a_l, ROWS)
-        else:
-            a = _a_operand8(w, z, s, a_l, ROWS)
-        gi = gl.minimum((t + 1) * TK // group_size, G - 1)  # next step's scales, loaded a step ahead
-        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
-        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        a = _a_tile(wbuf.index(slot), z, s, ROWS, BITS, load_l, words_l, a_l)
+        s, z = _scales(k0 + i + 1, s_ptr, z_ptr, rows, row_ok, G, group_size)  # the next step's, a step ahead
         acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # step i − 1's wgmma is done
-        _barrier()  # … in every warp, and every warp has read its words of step i − 1
+        _refill(i, k0, NK, xbuf, wbuf, ready, x_desc, w_desc, pid_m, pid_n, BM, STAGES, ROWS, BYTES, BITS)
+        return acc, s, z
+
+    @gluon.jit
+    def _a_tile(wslot, z, s, ROWS: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr, words_l: gl.constexpr,
+                a_l: gl.constexpr):
+        """A slot's words (one K-tile) → the [ROWS, 128] wgmma A operand (scales s, zero points z)."""
+        w = _words(wslot, ROWS, BITS, load_l, words_l)
+        if BITS == 4:
+            return _a_operand(w, z, s, a_l, ROWS)
+        else:
+            return _a_operand8(w, z, s, a_l, ROWS)
+
+    @gluon.jit
+    def _scales(t, s_ptr, z_ptr, rows, row_ok, G, group_size: gl.constexpr):
+        """The scales and zero points ([rows, 1]; fp16, int32) of K-tile t (clamped to the last group)."""
+        gi = gl.minimum(t * TK // group_size, G - 1)
+        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
+        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        return s, z
+
+    @gluon.jit
+    def _refill(i, k0, NK, xbuf, wbuf, ready, x_desc, w_desc, pid_m, pid_n, BM: gl.constexpr, STAGES: gl.constexpr,
+                ROWS: gl.constexpr, BYTES: gl.constexpr, BITS: gl.constexpr):
+        """After step i's wait retired step i − 1's wgmma in this warp: once every warp has (the CTA barrier,
+        which also means every warp has read its words of step i − 1), refill that step's slot with K-tile
+        k0 + i + STAGES − 1 if there is one."""
+        _barrier()
         ni = i + STAGES - 1  # into the slot of step i − 1
         ns = ni % STAGES
         mbarrier.expect(ready.index(ns), BYTES, pred=ni < NK)
         _tma_load(x_desc, [pid_m * BM, (k0 + ni) * TK], ready.index(ns), xbuf.index(ns), pred=ni < NK)
         _w_load(w_desc, pid_n, k0 + ni, ready.index(ns), wbuf.index(ns), ni < NK, ROWS, BITS)
-        return acc, s, z
 
     @gluon.jit
     def _w_load(w_desc, pid_n, t, bar, dst, pred, ROWS: gl.constexpr, BITS: gl.constexpr):
@@ -320,9 +335,7 @@ if gluon is not None:
             _tma_load(x_desc, [pid_m * BM, (k0 + j) * TK], ready.index(j), xbuf.index(j), pred=j < NK)
             _w_load(w_desc, pid_n, k0 + j, ready.index(j), wbuf.index(j), j < NK, ROWS, BITS)
         acc = gl.zeros([ROWS, BM], gl.float32, layout=mma)
-        gi = gl.minimum(k0 * TK // group_size, G - 1)
-        s = gl.load(s_ptr + rows * G + gi, mask=row_ok, other=0.0)[:, None]
-        z = gl.load(z_ptr + rows * G + gi, mask=row_ok, other=0).to(gl.int32)[:, None]
+        s, z = _scales(k0, s_ptr, z_ptr, rows, row_ok, G, group_size)
         # Two steps per iteration, so that consecutive steps' A operands are different registers: the
         # wgmma of step t still reads its A registers while step t + 1 dequantizes, and with one step
         # per iteration the next step wrote the same registers (results corrupted now and then at BM =
