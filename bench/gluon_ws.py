@@ -30,7 +30,7 @@ import triton
 from quantkit.kernels import gluon_gemm as gg
 
 if gg.gluon is not None:
-    from quantkit.kernels.gluon_gemm import TK, _a_tile, _barrier, _scales, _tma_load, _w_load, gl, gluon
+    from quantkit.kernels.gluon_gemm import TK, _a_tile, _barrier, _ring, _scales, _tma_load, _w_load, gl, gluon
     from quantkit.kernels.gluon_gemm import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
@@ -94,11 +94,7 @@ if gg.gluon is not None:
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         BLOCK: gl.constexpr = 16 * TK * BITS // 32
-        xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BM, TK], x_desc.layout)
-        if BITS == 4:
-            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, BLOCK], w_desc.layout)
-        else:
-            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, 2, BLOCK // 2], w_desc.layout)
+        xbuf, wbuf = _ring(x_desc, w_desc, BM, STAGES, ROWS, BITS)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):

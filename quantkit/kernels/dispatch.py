@@ -102,8 +102,8 @@ def choose(bits: int, m: int) -> Choice:
 
 def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choice | None:
     """The Gluon GEMM's configuration for M rows of x, N outputs and K inputs (8-bit weights:
-    `gluon_choice8`; this docstring is W4's), or None where the mma
-    GEMV (M ≤ 32 on most layers) or dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) is faster. Measured on the H200 with
+    `gluon_choice8`; this docstring is W4's), or None where the mma GEMV (M ≤ 32 on most layers) or
+    dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) is faster. Measured on the H200 with
     `bench/gluon_probe.py` (four Llama-2-7B shapes, CUDA-graph medians, x permutation included; runs 61–62
     of bench/KERNELS_NOTES.md, items 62–63, M ∈ {16, 32, 64, 128, 256, 512, 1024}; run 58 for M = 96):
     - M ≤ 16: the GEMV everywhere (o 8.3 µs against 11.3 for the best GEMM; qkv 14.8 against 18.9).
@@ -183,15 +183,11 @@ def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
       cuBLAS (qkv 176.2 vs 181.1, down 151.7 vs 154.0, o level), as everything above 1024."""
     if m <= 16 or m > 1024:
         return None
-    narrow, wide, long_k = _width(n, k, sms)
-    if m <= 32:
-        if narrow:
-            return _gluon(32, 6, 64, 4 if long_k else 2)
+    narrow, wide, _ = _width(n, k, sms)
+    if m <= 32 and not narrow:
         return _gluon(32, 4) if wide else _gluon(32, 6)
-    if m <= 64:
-        if narrow:
-            return _gluon(64, 4, 64, 4 if long_k else 2)
-        return _gluon(64, 3) if wide else _gluon(64, 4)
+    if m <= 64:  # W4's choices, the fastest for W8 too (run 70)
+        return gluon_choice(m, n, k, sms)
     if m <= 128:
         if narrow:
             return _gluon(128, 3, 64, 2)
@@ -392,7 +388,8 @@ def gemv_launch(kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, m: in
             choice = choice_for(kw, m, device, dtype, graphed)
             params = choice.params if choice.method == "mma" else None
         launch = False
-        if params is not None and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype):
+        groups = kw.scales.shape[1]
+        if params is not None and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, groups, dtype):
             launch = triton_mma.GemvLaunch(kw, bias, m, device, bf16=dtype == torch.bfloat16, **params)
         launches[key] = launch
     return launch or None

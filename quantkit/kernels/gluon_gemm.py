@@ -286,6 +286,17 @@ if gluon is not None:
         _w_load(w_desc, pid_n, k0 + ni, ready.index(ns), wbuf.index(ns), ni < NK, ROWS, BITS)
 
     @gluon.jit
+    def _ring(x_desc, w_desc, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, BITS: gl.constexpr):
+        """The ring's shared memory: STAGES slots of x tiles [BM, 128] and of word boxes (`w_box`)."""
+        BLOCK: gl.constexpr = 16 * TK * BITS // 32
+        xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BM, TK], x_desc.layout)
+        if BITS == 4:
+            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, BLOCK], w_desc.layout)
+        else:
+            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, 2, BLOCK // 2], w_desc.layout)
+        return xbuf, wbuf
+
+    @gluon.jit
     def _w_load(w_desc, pid_n, t, bar, dst, pred, ROWS: gl.constexpr, BITS: gl.constexpr):
         """Copy K-tile t of the program's ROWS rows of words into slot dst (boxes: `w_box`)."""
         if BITS == 4:
@@ -319,11 +330,7 @@ if gluon is not None:
         rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
         row_ok = rows < N
         BLOCK: gl.constexpr = 16 * TK * BITS // 32  # words of one K-tile of a 16-row tile
-        xbuf = gl.allocate_shared_memory(gl.float16, [STAGES, BM, TK], x_desc.layout)
-        if BITS == 4:
-            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, BLOCK], w_desc.layout)
-        else:
-            wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS // 16, 2, BLOCK // 2], w_desc.layout)
+        xbuf, wbuf = _ring(x_desc, w_desc, BM, STAGES, ROWS, BITS)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
