@@ -114,7 +114,7 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choic
     - M ≤ 128: 128 rows of x per program: qkv 30.7, gate_up 51.0 (61.0 at BM 64), down split 2 33.7
       (45.3); o keeps BM 64 (16.4 vs 17.5). Run 58's choices for M ≤ 96 on qkv and gate_up.
     - M ≤ 256: BM 128; qkv with two ring slots (52.7 vs 55.8 µs), down split 2 (50.3 vs 54.2); gate_up
-      BM 256 (run 72, item 72: 86.4 vs 90.9 µs; 348 bytes of spills per thread at BM 256, 255 registers).
+      BM 256 (run 72, item 72: 86.4 vs 90.9 µs; 255 registers, 348 bytes spilled in the epilogue only).
     - M ≤ 512: BM 256, three slots (run 72: qkv 86.9 vs 90.9 µs for BM 128, o 29.3 vs 31.5, down 78.2 vs
       83.6, gate_up 172.3 vs 170.8, level); dequantize + cuBLAS was 2–12 % slower than BM 128 (run 62).
     - M ≤ 1024: gate_up BM 256 (316.4 vs 347.9 µs for dequantize + cuBLAS, run 72); the others
@@ -178,7 +178,7 @@ def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
     - M ≤ 256: o and down BM 128 unsplit (22.3, 56.0); qkv and gate_up BM 256 (run 72, item 72: 58.4
       and 90.4 µs against 61.9 for BM 64 and 96.2 for 128 rows per program).
     - M ≤ 512: BM 256 everywhere (run 72: qkv 92.7 against 98.0 for BM 128 with 128 rows, o 30.6 / 33.7,
-      gate_up 177.9 / 194.8, down 78.3 / 83.7; dequantize + cuBLAS 98–204).
+      gate_up 177.9 / 194.8, down 78.3 / 83.7; dequantize + cuBLAS 109.3 / 38.3 / 197.7 / 96.3, run 68).
     - M ≤ 1024: gate_up BM 256 (329.7 vs 349.0 µs for dequantize + cuBLAS); the others dequantize +
       cuBLAS (qkv 176.2 vs 181.1, down 151.7 vs 154.0, o level), as everything above 1024."""
     if m <= 16 or m > 1024:

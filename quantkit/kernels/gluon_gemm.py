@@ -31,10 +31,10 @@ multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TM
 order is the 4-bit one with the byte's high bit in place of i, so `permute_x` serves both. A slot's
 8-bit block is [row half, chunk, g, t, 4 words] in memory, copied as a 3-D TMA box (`w_box`: a box is
 at most 256 wide), viewed as [ROWS / 8, 2, 128] and relabelled to (row, word) without data movement;
-the dispatch takes it for 64 < M ≤ 512 (`dispatch.gluon_choice8`, run 68). The Gluon API is
-experimental: this module is written against the Triton 3.6 and 3.9 spellings and reports itself
-unavailable where the import fails. Figures: BENCHMARKS.md
-("Kernels") and bench/KERNELS_NOTES.md, items 51–69.
+the dispatch takes it for 16 < M ≤ 512, to 1024 on wide layers (`dispatch.gluon_choice8`, runs 68,
+70, 72; run 67 had found the first, 2-D box wrong). The Gluon API is experimental: this module is
+written against the Triton 3.6 and 3.9 spellings and reports itself unavailable where the import
+fails. Figures: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 51–75.
 """
 
 from __future__ import annotations
