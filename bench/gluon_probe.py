@@ -28,21 +28,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# quantkit.kernels.gluon_gemm: (BM, stages, weight rows per program, split-K[, half]), timed at M ≤ 64 (SMALL)
+# quantkit.kernels.gluon_gemm: (BM, stages, weight rows per program, split-K), timed at M ≤ 64 (SMALL)
 # or M ≥ 96 (LARGE). Split-K adds the partial sums in the same launch (the last program of each output
 # tile, item 63); runs 57–59 timed the earlier split-K through atomics and two more launches.
 SMALL = [(16, 8, 64, 1), (16, 8, 64, 2), (16, 8, 64, 4), (16, 8, 64, 8), (32, 6, 64, 1), (32, 6, 64, 2),
          (32, 6, 64, 4), (64, 4, 64, 1), (64, 3, 64, 1), (64, 4, 64, 2), (64, 4, 64, 4), (64, 4, 128, 2),
          # smaller rings (run 71: level with the dispatch for W4; (32, 4, 64) wins gate_up for W8, run 70)
-         (64, 2, 64, 1), (32, 3, 64, 1), (32, 4, 64, 1), (64, 3, 128, 1),
-         # queued (not run): HALF, a fifth element (K-tiles as two 64-input wgmma groups; 102 registers at
-         # BM 64 instead of 127, sm_90a, Triton 3.6)
-         (64, 4, 64, 1, 1), (64, 4, 64, 2, 1)]
+         (64, 2, 64, 1), (32, 3, 64, 1), (32, 4, 64, 1), (64, 3, 128, 1)]
 LARGE = [(64, 3, 64, 1), (128, 3, 64, 1), (128, 2, 64, 1), (128, 4, 128, 1), (128, 2, 128, 1), (128, 3, 64, 2),
-         (128, 2, 64, 2), (256, 3, 64, 1),  # BM 256: run 72
-         # queued (not run): HALF (152 registers at BM 128 instead of 167; BM 256: no spills in the K loop
-         # either way, 348–364 bytes in the epilogue)
-         (128, 3, 64, 1, 1), (256, 3, 64, 1, 1)]
+         (128, 2, 64, 2), (256, 3, 64, 1)]  # BM 256: run 72
+# Run 75 also timed HALF (K-tiles as two 64-input wgmma groups, a fifth element, since removed): level or
+# slower everywhere (bench/KERNELS_NOTES.md item 77).
 
 
 ONLY: list[tuple[int, ...]] = []  # --only: these configurations instead of SMALL and LARGE
@@ -76,7 +72,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8),
                     help="weight bits (8: per-channel scales in the timings, as bench/kernels.py; "
                          "dispatch.gluon_choice8 was set from this at 8 bits, run 68)")
-    ap.add_argument("--only", default=None, metavar="BM,SLOTS,ROWS,SPLIT[,HALF];...",
+    ap.add_argument("--only", default=None, metavar="BM,SLOTS,ROWS,SPLIT;...",
                     help="check and time only these configurations (instead of SMALL / LARGE)")
     args = ap.parse_args()
     if args.only:

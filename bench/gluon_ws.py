@@ -1,4 +1,4 @@
-"""Queued probe (ninth session, not yet run on a GPU): the Gluon GEMM with a producer warp.
+"""Probe: the Gluon GEMM with a producer warp — correct, and slower than the package kernel (run 75).
 
     PYTHONPATH=. python bench/gluon_ws.py [--ms 64,128,256,512,1024] [--bits 4|8] [--out DIR]
 
@@ -13,12 +13,16 @@ has retired every warp of the group has issued it, i.e. has read its words of st
 
 Variants (`CONFIGS`): one or two consumer warpgroups per program (two share each x tile, 128 weight
 rows; the second is a worker partition with its own epilogue, and `empty` counts both arrivals),
-whole K-tiles or HALF steps (`gluon_gemm`'s `half`), and the launch's register budget `maxnreg`, which
-sets how many programs share an SM (warps count by groups of four; the consumers get the rest through
-`setmaxnreg`: 232 registers at maxnreg 128, 136 at 80). Same operands, dequantization and dot order as
+and the launch's register budget `maxnreg`, which sets how many programs share an SM (warps count by
+groups of four; the consumers get the rest through `setmaxnreg`: 232 registers at maxnreg 128). Same operands, dequantization and dot order as
 the package kernel (its helpers are imported); no split K; bias optional. First a check against the fp32 reference on NaN-poisoned outputs (the shapes
 of gluon_probe.py, M = 1, 16, 17, 77, 300), then CUDA-graph medians against the package kernel's
 dispatch choice and fp16 `F.linear`.
+
+Outcome (run 75, W4, bench/results/gluon_ws_w4_run75.{txt,json}; bench/KERNELS_NOTES.md item 76): 160
+checks, 0 failures; at M = 256–1024 every variant 3–12 % slower than the package kernel's dispatch
+choice, at M = 64–128 level (qkv M = 64 5 % faster, o / down much slower without split K). Run 75 also
+timed HALF forms (K-tiles as two 64-input wgmma groups), since removed here and from the package.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ import triton
 from quantkit.kernels import gluon_gemm as gg
 
 if gg.gluon is not None:
-    from quantkit.kernels.gluon_gemm import (TK, _a_half, _a_tile, _barrier, _halves, _ring, _scales, _tma_load,
-                                             _w_load, _words, gl, gluon)
+    from quantkit.kernels.gluon_gemm import (TK, _a_tile, _barrier, _ring, _scales, _tma_load, _w_load, gl,
+                                             gluon)
     from quantkit.kernels.gluon_gemm import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
@@ -53,27 +57,17 @@ if gg.gluon is not None:
 
     @gluon.jit
     def _ws_step(i, c: gl.constexpr, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
-                 group_size: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr, HALF: gl.constexpr,
-                 load_l: gl.constexpr, words_l: gl.constexpr, a_l: gl.constexpr):
+                 group_size: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr,
+                 words_l: gl.constexpr, a_l: gl.constexpr):
         """K-step i of consumer c (weight rows 64·c … 64·c + 63 of the program): wait for the slot,
-        dequantize, start the wgmma (HALF: two of 64 inputs), retire step i − 1's and release that step's
+        dequantize, start the wgmma, retire step i − 1's and release that step's
         slot (one arrival per consumer)."""
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         mine = wbuf.index(slot).slice(4 * c, 4, dim=0)  # this consumer's 4 row tiles
-        if HALF:
-            lo, hi = _halves(_words(mine, 64, BITS, load_l, words_l), 64, BITS)
-            xs = xbuf.index(slot)
-            a = _a_half(lo, z, s, a_l, 64, BITS)
-            acc = warpgroup_mma(a, xs.slice(0, TK // 2, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            a = _a_half(hi, z, s, a_l, 64, BITS)
-            s, z = _scales(i + 1, s_ptr, z_ptr, rows, row_ok, G, group_size)
-            acc = warpgroup_mma(a, xs.slice(TK // 2, TK // 2, dim=1).permute((1, 0)), acc, is_async=True)
-        else:
-            a = _a_tile(mine, z, s, 64, BITS, load_l, words_l, a_l)
-            s, z = _scales(i + 1, s_ptr, z_ptr, rows, row_ok, G, group_size)
-            acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
+        a = _a_tile(mine, z, s, 64, BITS, load_l, words_l, a_l)
+        s, z = _scales(i + 1, s_ptr, z_ptr, rows, row_ok, G, group_size)
+        acc = warpgroup_mma(a, xbuf.index(slot).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
         return acc, s, z
@@ -81,10 +75,9 @@ if gg.gluon is not None:
     @gluon.jit
     def _ws_consumer(c: gl.constexpr, xbuf, wbuf, ready, empty, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, pid_m,
                      pid_n, group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr,
-                     BITS: gl.constexpr, HAS_BIAS: gl.constexpr, HALF: gl.constexpr, load_l: gl.constexpr,
-                     words_l: gl.constexpr):
+                     BITS: gl.constexpr, HAS_BIAS: gl.constexpr, load_l: gl.constexpr, words_l: gl.constexpr):
         """Consumer warpgroup c: the K loop of gluon_gemm's kernel for its 64 weight rows without the
-        copies (whole tiles: two steps per iteration, item 58; HALF: one), then its part of the output."""
+        copies (two steps per iteration, item 58), then its part of the output."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         base = pid_n * (64 * NCONS) + 64 * c
@@ -92,19 +85,14 @@ if gg.gluon is not None:
         row_ok = rows < N
         acc = gl.zeros([64, BM], gl.float32, layout=mma)
         s, z = _scales(0, s_ptr, z_ptr, rows, row_ok, G, group_size)
-        if HALF:
-            for i in range(KT):
-                acc, s, z = _ws_step(i, c, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
-                                     group_size, STAGES, BITS, HALF, load_l, words_l, a_l)
-        else:
-            for i in range(0, KT - 1, 2):
-                acc, s, z = _ws_step(i, c, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
-                                     group_size, STAGES, BITS, HALF, load_l, words_l, a_l)
-                acc, s, z = _ws_step(i + 1, c, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
-                                     group_size, STAGES, BITS, HALF, load_l, words_l, a_l)
-            if KT % 2 == 1:
-                acc, s, z = _ws_step(KT - 1, c, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
-                                     group_size, STAGES, BITS, HALF, load_l, words_l, a_l)
+        for i in range(0, KT - 1, 2):
+            acc, s, z = _ws_step(i, c, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
+                                 group_size, STAGES, BITS, load_l, words_l, a_l)
+            acc, s, z = _ws_step(i + 1, c, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
+                                 group_size, STAGES, BITS, load_l, words_l, a_l)
+        if KT % 2 == 1:
+            acc, s, z = _ws_step(KT - 1, c, acc, s, z, xbuf, wbuf, ready, empty, s_ptr, z_ptr, rows, row_ok, G,
+                                 group_size, STAGES, BITS, load_l, words_l, a_l)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         orow = base + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
         ocol = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
@@ -116,7 +104,7 @@ if gg.gluon is not None:
     @gluon.jit
     def ws_gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, group_size: gl.constexpr,
                        BM: gl.constexpr, STAGES: gl.constexpr, NCONS: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       BITS: gl.constexpr, HALF: gl.constexpr, CREG: gl.constexpr, load_l: gl.constexpr,
+                       BITS: gl.constexpr, CREG: gl.constexpr, load_l: gl.constexpr,
                        words_l: gl.constexpr):
         """out[m, n] = Σ_k x[m, k] · W[n, k] (+ b[n]) for BM rows of x and 64 · NCONS weight rows: NCONS (1
         or 2) consumer warpgroups (the default partition and, for 2, a worker of CREG registers) share each
@@ -136,21 +124,21 @@ if gg.gluon is not None:
         if NCONS == 1:
             gl.warp_specialize([
                 (_ws_consumer, (0, xbuf, wbuf, ready, empty, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, pid_m, pid_n,
-                                group_size, BM, STAGES, NCONS, BITS, HAS_BIAS, HALF, load_l, words_l)),
+                                group_size, BM, STAGES, NCONS, BITS, HAS_BIAS, load_l, words_l)),
                 (_ws_load, (x_desc, w_desc, xbuf, wbuf, ready, empty, pid_m, pid_n, KT, BM, STAGES, ROWS, BYTES, BITS)),
             ], [1], [24])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (0, xbuf, wbuf, ready, empty, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, pid_m, pid_n,
-                                group_size, BM, STAGES, NCONS, BITS, HAS_BIAS, HALF, load_l, words_l)),
+                                group_size, BM, STAGES, NCONS, BITS, HAS_BIAS, load_l, words_l)),
                 (_ws_consumer, (1, xbuf, wbuf, ready, empty, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KT, G, pid_m, pid_n,
-                                group_size, BM, STAGES, NCONS, BITS, HAS_BIAS, HALF, load_l, words_l)),
+                                group_size, BM, STAGES, NCONS, BITS, HAS_BIAS, load_l, words_l)),
                 (_ws_load, (x_desc, w_desc, xbuf, wbuf, ready, empty, pid_m, pid_n, KT, BM, STAGES, ROWS, BYTES, BITS)),
             ], [4, 1], [CREG, 24])
 
 
 def gemm_ws(x: torch.Tensor, mw, bias: torch.Tensor | None = None, out: torch.Tensor | None = None, bm: int = 128,
-            stages: int = 3, ncons: int = 1, maxnreg: int = 128, creg: int = 160, half: bool = False) -> torch.Tensor:
+            stages: int = 3, ncons: int = 1, maxnreg: int = 128, creg: int = 160) -> torch.Tensor:
     """y = x Wᵀ (+ bias) through `ws_gemm_kernel` (weights and x as gluon_gemm.gemm takes them): ncons (1
     or 2) consumer warpgroups of 64 weight rows each; maxnreg: the registers per thread the launch budgets
     for every warp (4 per consumer, 4 for the producer's group; 128 with one consumer lets two programs
@@ -164,16 +152,15 @@ def gemm_ws(x: torch.Tensor, mw, bias: torch.Tensor | None = None, out: torch.Te
     grid = (triton.cdiv(n, 64 * ncons), triton.cdiv(m, bm))
     ws_gemm_kernel[grid](x_desc, gg._w_desc(mw, 64 * ncons), mw.scales, mw.zeros, bias if bias is not None else out,
                          out, m, n, kt, mw.scales.shape[1], mw.group_size, bm, stages, ncons, bias is not None, mw.bits,
-                         half, creg, *gg._LAYOUTS[(64, mw.bits)], num_warps=4, maxnreg=maxnreg)
+                         creg, *gg._LAYOUTS[(64, mw.bits)], num_warps=4, maxnreg=maxnreg)
     return out
 
 
-# BM, slots, consumers, maxnreg, the second consumer's registers, HALF. Warps count by groups of 4 for
+# BM, slots, consumers, maxnreg, the second consumer's registers. Warps count by groups of 4 for
 # registers (the producer's one warp takes a group): one consumer at maxnreg 128 lets two programs share
-# an SM, at 80 (HALF, BM 64, 3 slots: 60 KB of shared memory) three; two consumers share x, one program.
-CONFIGS = [(128, 3, 1, 128, 160, False), (128, 2, 1, 128, 160, False), (64, 4, 1, 128, 160, False),
-           (64, 3, 1, 80, 160, True), (128, 3, 1, 128, 160, True), (256, 3, 1, 255, 160, False),
-           (128, 3, 2, 168, 168, False), (128, 4, 2, 168, 168, False)]
+# an SM; two consumers share x, one program.
+CONFIGS = [(128, 3, 1, 128, 160), (128, 2, 1, 128, 160), (64, 4, 1, 128, 160), (256, 3, 1, 255, 160),
+           (128, 3, 2, 168, 168), (128, 4, 2, 168, 168)]
 
 
 def main() -> None:

@@ -75,10 +75,9 @@ def mma_variants(m: int):
             out.append((f"mma-w{nw}t{tiles}r{rows}", lambda x, mw, y, nw=nw, tiles=tiles, rows=rows, reg=reg:
                         triton_mma.gemv(x, mw, num_warps=nw, tiles=tiles, rows=rows, maxnreg=reg, out=y)))
         out.append(("mma-w4t1-pdl", lambda x, mw, y: triton_mma.gemv(x, mw, num_warps=4, pdl=True, prefetch=1, out=y)))
-    # (BM, slots, rows, split[, half]); the HALF forms are queued (not yet run on a GPU)
+    # (BM, slots, rows, split)
     for cfg in ((32, 6, 64, 1), (64, 3, 64, 1), (64, 4, 128, 1), (32, 6, 64, 4), (128, 4, 128, 1), (64, 4, 64, 2),
-                (128, 3, 64, 2), (128, 2, 64, 1), (128, 3, 64, 1), (32, 4, 64, 1), (256, 3, 64, 1),
-                (64, 4, 64, 2, 1), (256, 3, 64, 1, 1)):
+                (128, 3, 64, 2), (128, 2, 64, 1), (128, 3, 64, 1), (32, 4, 64, 1), (256, 3, 64, 1)):
         out.append(("gluon-" + "-".join(map(str, cfg)), lambda x, mw, y, c=cfg: gluon_gemm.gemm(x, mw, None, y, *c)))
     return out
 

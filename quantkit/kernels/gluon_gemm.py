@@ -21,10 +21,10 @@ x tiles and word tiles go through a ring of `stages` shared-memory slots filled 
 step t + 1's words are dequantized (one group in flight), so consecutive steps must hold their A
 operands in different registers: the K loop runs two steps per iteration (item 58). fp32 accumulation,
 fp16 output, optional bias. Layers too narrow to fill the GPU split K over 2–8 programs per output
-tile, summed by the last of them in the same launch (item 63). `half` runs each K-tile as two wgmma
-groups of 64 inputs (half the A-operand registers, one step per iteration; compiled and emulated on
-the CPU, queued for the GPU, not dispatched). 4- or 8-bit weights, group sizes that are
-multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA).
+tile, summed by the last of them in the same launch (item 63). 4- or 8-bit weights, group sizes that
+are multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA). Measured and
+not kept (items 76–77): K-tiles as two 64-input wgmma groups, and a producer warp issuing the copies
+(`gl.warp_specialize`, bench/gluon_ws.py) — both correct, neither faster.
 
 8-bit words: thread (g, t) holds words 8·t … 8·t + 7 (word 8·t + 2·c + h holds inputs 32·c + 8·t +
 4·h + byte), one `prmt` and two `fma` per fp16 pair (DEQ8_ASM, the W8 GEMV's arithmetic); its dot
@@ -34,7 +34,7 @@ at most 256 wide), viewed as [ROWS / 8, 2, 128] and relabelled to (row, word) wi
 the dispatch takes it for 16 < M ≤ 512, to 1024 on wide layers (`dispatch.gluon_choice8`, runs 68,
 70, 72; run 67 had found the first, 2-D box wrong). The Gluon API is experimental: this module is
 written against the Triton 3.6 and 3.9 spellings and reports itself unavailable where the import
-fails. Figures: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 51–75.
+fails. Figures: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 51–77.
 """
 
 from __future__ import annotations
@@ -185,59 +185,6 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(v, [ROWS, TK]), a_l, assert_trivial=True)
 
     @gluon.jit
-    def _halves(w, ROWS: gl.constexpr, BITS: gl.constexpr):
-        """A word tile split by c1, the top bit of the dot order: (words of inputs 0–63 of the dot order,
-        of inputs 64–127), each [ROWS, 64 · BITS / 32], word 2·t + c0 (W4) or 4·t + 2·c0 + h (W8)."""
-        if BITS == 4:
-            w = gl.permute(gl.reshape(w, [ROWS, 4, 2, 2]), (0, 1, 3, 2))  # rows, t, c0, c1
-            lo, hi = gl.split(w)
-            return gl.reshape(lo, [ROWS, 8]), gl.reshape(hi, [ROWS, 8])
-        else:
-            w = gl.permute(gl.reshape(w, [ROWS, 4, 2, 2, 2]), (0, 1, 3, 4, 2))  # rows, t, c0, h, c1
-            lo, hi = gl.split(w)
-            return gl.reshape(lo, [ROWS, 16]), gl.reshape(hi, [ROWS, 16])
-
-    @gluon.jit
-    def _a_half(w, z, s, a_l: gl.constexpr, ROWS: gl.constexpr, BITS: gl.constexpr):
-        """Half a K-tile's words (`_halves`) → the [ROWS, 64] wgmma A operand in dot order c0 h i t1 t0 e
-        (the lower six bits of the full tile's), as `_a_operand` / `_a_operand8` do for a whole tile. z and s
-        ([ROWS, 1], in the whole word tile's layout) move to the half's, which holds the rows alike."""
-        rows_l: gl.constexpr = gl.SliceLayout(1, w.type.layout)
-        z = gl.convert_layout(gl.sum(z, axis=1), rows_l, assert_trivial=True)[:, None]
-        s = gl.convert_layout(gl.sum(s, axis=1), rows_l, assert_trivial=True)[:, None]
-        if BITS == 4:
-            # rows, t1 t0 c0 (the word), e i h (the value)
-            v = gl.reshape(_values(w, z, s, 4), [ROWS, 2, 2, 2, 2, 2, 2])
-            v = gl.permute(v, (0, 3, 6, 5, 1, 2, 4))  # rows, c0 h i t1 t0 e
-        else:
-            # rows, t, c0, h (the word), e, byte bit 1 (the value)
-            v = gl.reshape(_values(w, z, s, 8), [ROWS, 4, 2, 2, 2, 2])
-            v = gl.permute(v, (0, 2, 3, 5, 1, 4))  # rows, c0, h, byte bit 1, t, e
-        return gl.convert_layout(gl.reshape(v, [ROWS, TK // 2]), a_l, assert_trivial=True)
-
-    @gluon.jit
-    def _step_halves(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok, G, pid_m,
-                     pid_n, group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
-                     BYTES: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr, words_l: gl.constexpr,
-                     a_l: gl.constexpr):
-        """`_step` in two wgmma groups of 64 inputs (HALF): each half's A operand is half the registers, and
-        the two halves of a step are different registers, so one step per loop iteration suffices (the
-        wgmma of a half runs while the next half is dequantized)."""
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        lo, hi = _halves(_words(wbuf.index(slot), ROWS, BITS, load_l, words_l), ROWS, BITS)
-        xs = xbuf.index(slot)
-        a = _a_half(lo, z, s, a_l, ROWS, BITS)
-        acc = warpgroup_mma(a, xs.slice(0, TK // 2, dim=1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # step i − 1's second half is done
-        a = _a_half(hi, z, s, a_l, ROWS, BITS)
-        s, z = _scales(k0 + i + 1, s_ptr, z_ptr, rows, row_ok, G, group_size)  # the next step's, a step ahead
-        acc = warpgroup_mma(a, xs.slice(TK // 2, TK // 2, dim=1).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # this step's first half is done
-        _refill(i, k0, NK, xbuf, wbuf, ready, x_desc, w_desc, pid_m, pid_n, BM, STAGES, ROWS, BYTES, BITS)
-        return acc, s, z
-
-    @gluon.jit
     def _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok, G, pid_m, pid_n,
               group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
               BYTES: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr, words_l: gl.constexpr,
@@ -308,7 +255,7 @@ if gluon is not None:
     def gemm_kernel(x_desc, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KT, G,
                     group_size: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
                     HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BITS: gl.constexpr, load_l: gl.constexpr,
-                    words_l: gl.constexpr, HALF: gl.constexpr):
+                    words_l: gl.constexpr):
         """out[m, n] = Σ_k x[m, k] · W[n, k] (+ b[n]) for the program's ROWS weight rows and BM rows of x.
         x_desc: x permuted (`permute_x`), [M, KT · 128] fp16, boxes [BM, 128]; w_desc: the words, boxes of
         one K-tile of ROWS rows (`_w_load`); load_l / words_l: the
@@ -316,8 +263,7 @@ if gluon is not None:
         SPLIT > 1: the programs of grid axis 2 share K; each writes its fp32 partial sums to
         ws_ptr[pid_k] ([SPLIT, M, N]) and counts itself in cnt_ptr[output tile] (int32, zero before the
         launch); the last to arrive adds all the partials in K order (the same result whichever arrives
-        last), the bias, writes out and sets the count back to zero for the next launch. HALF: each K-tile
-        as two wgmma groups of 64 inputs (`_step_halves`; half the A-operand registers, for BM 256)."""
+        last), the bias, writes out and sets the count back to zero for the next launch."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         per = gl.cdiv(KT, SPLIT)  # SPLIT > 1: this program's K-tiles k0 … k0 + NK − 1
@@ -326,7 +272,7 @@ if gluon is not None:
         NWARP: gl.constexpr = ROWS // 16
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NWARP, 1],
                                                       instr_shape=[16, BM, 16])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)  # [ROWS, 128] or [ROWS, 64]
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)  # [ROWS, 128]
         rows = pid_n * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, words_l))
         row_ok = rows < N
         BLOCK: gl.constexpr = 16 * TK * BITS // 32  # words of one K-tile of a 16-row tile
@@ -347,22 +293,14 @@ if gluon is not None:
         # wgmma of step t still reads its A registers while step t + 1 dequantizes, and with one step
         # per iteration the next step wrote the same registers (results corrupted now and then at BM =
         # 64, where the wgmma runs longest: run 57, bench/KERNELS_NOTES.md item 57).
-        if HALF:
-            for i in range(0, NK):
-                acc, s, z = _step_halves(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows,
-                                         row_ok, G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l,
-                                         words_l, a_l)
-        else:
-            for i in range(0, NK - 1, 2):
-                acc, s, z = _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok,
-                                  G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
-                acc, s, z = _step(i + 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows,
-                                  row_ok, G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l,
-                                  a_l)
-            if NK % 2 == 1:
-                acc, s, z = _step(NK - 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows,
-                                  row_ok, G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l,
-                                  a_l)
+        for i in range(0, NK - 1, 2):
+            acc, s, z = _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok,
+                              G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
+            acc, s, z = _step(i + 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows,
+                              row_ok, G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
+        if NK % 2 == 1:
+            acc, s, z = _step(NK - 1, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows,
+                              row_ok, G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(j))
@@ -458,14 +396,13 @@ def _w_desc(mw: MmaWeights, rows: int):
 
 
 def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1, half: bool = False) -> torch.Tensor | None:
+         bm: int = 64, stages: int = 4, rows: int = 64, split: int = 1) -> torch.Tensor | None:
     """y = x Wᵀ (+ bias) in fp16 for x [M, K] fp16 and 4- or 8-bit weights in the mma layout (`supports`):
     x is permuted into the dot order (`permute_x`, one launch), then one GEMM launch (`out`, if given,
     may be strided: it is then written through a copy). bm: rows of x per program (16 … 256); stages:
     ring slots; rows: weight rows per program (64 per warpgroup); split: programs sharing each output
     tile's K, for layers too narrow to fill the GPU (fp32 partial sums through a [split, M, N] workspace,
-    added by the last program of each tile, in the same launch); half: K-steps of two 64-input wgmma
-    groups (half the A-operand registers; queued for BM 256, not yet run on a GPU).
+    added by the last program of each tile, in the same launch).
 
     None, launching nothing, while a CUDA graph is being captured if either launch has not run before
     with these arguments: its first launch would load a module, which capture forbids (the caller then
@@ -473,7 +410,7 @@ def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out:
     m = x.shape[0]
     n = mw.out_features
     if out is not None and not out.is_contiguous():  # the kernel writes rows N apart
-        y = gemm(x, mw, bias, None, bm, stages, rows, split, half)
+        y = gemm(x, mw, bias, None, bm, stages, rows, split)
         return None if y is None else out.copy_(y)
     capturing = torch.cuda.is_current_stream_capturing()
     xp, permute_grid, permute_args = _permute_launch(x)
@@ -490,7 +427,7 @@ def gemm(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None = None, out:
     x_desc = TensorDescriptor.from_tensor(xp, [bm, TILE_K], _X_LAYOUT)
     args = (x_desc, _w_desc(mw, rows), mw.scales, mw.zeros, bias if bias is not None else out, out, ws,
             counts if counts is not None else out, m, n, kt, mw.scales.shape[1], mw.group_size, bm, stages, rows,
-            bias is not None, grid[2], mw.bits, *_LAYOUTS[(rows, mw.bits)], bool(half))
+            bias is not None, grid[2], mw.bits, *_LAYOUTS[(rows, mw.bits)])
     if capturing and not (
             _PERMUTE.kept_for(permute_args) and _GEMM.kept_for(args, num_warps=rows // 16)):
         return None
@@ -545,11 +482,10 @@ def permute_torch(x: torch.Tensor) -> torch.Tensor:
     return xp.reshape(m, kt, 4, 4, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(m, kt * TILE_K)
 
 
-def emulate(x: torch.Tensor, mw: MmaWeights, half: bool = False) -> torch.Tensor:
+def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     """What the GEMM computes, in torch, step for step (for the CPU tests): each word's values in input
     order, dequantized as DEQ_ASM / DEQ8_ASM do ((q − z) · s rounded to fp16 once), relabelled by the
-    kernel's join / reshape / permute into the dot order, times x permuted into that order; fp32 [M, N].
-    half: as `_halves` and `_a_half` split and relabel each K-tile (HALF)."""
+    kernel's join / reshape / permute into the dot order, times x permuted into that order; fp32 [M, N]."""
     m, k = x.shape
     n = mw.out_features
     kt = -(-k // TILE_K)
@@ -572,21 +508,10 @@ def emulate(x: torch.Tensor, mw: MmaWeights, half: bool = False) -> torch.Tensor
             return join(join(join(q[0], q[1]), join(q[2], q[3])), join(join(q[4], q[5]), join(q[6], q[7])))
         return join(join(q[0], q[1]), join(q[2], q[3]))
 
-    if half:  # `_halves`: split by c1, the top bit of the dot order; `_a_half` on each half, as the kernel
-        if mw.bits == 4:
-            parts = words.reshape(n, kt, 4, 2, 2).permute(0, 1, 2, 4, 3).unbind(-1)  # t, c0 | c1
-            vs = [relabel(values(w.reshape(n, kt, 8))).reshape(n, kt, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 7, 6, 2, 3, 5)
-                  for w in parts]
-        else:
-            parts = words.reshape(n, kt, 4, 2, 2, 2).permute(0, 1, 2, 4, 5, 3).unbind(-1)  # t, c0, h | c1
-            vs = [relabel(values(w.reshape(n, kt, 16))).reshape(n, kt, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 6, 2, 5)
-                  for w in parts]
-        v = torch.cat([v.reshape(n, kt, TILE_K // 2) for v in vs], -1)
-    elif mw.bits == 4:
-        v = relabel(values(words))  # [N, KT, 16 words, e, i, h]
+    v = relabel(values(words))  # W4: [N, KT, 16 words, e, i, h]; W8: [N, KT, 32 words, byte bit 0, byte bit 1]
+    if mw.bits == 4:
         v = v.reshape(n, kt, 2, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 5, 8, 7, 2, 3, 6)  # as the kernel, per K-tile
     else:
-        v = relabel(values(words))  # [N, KT, 32 words, byte bit 0, byte bit 1]
         v = v.reshape(n, kt, 4, 4, 2, 2, 2).permute(0, 1, 3, 4, 6, 2, 5)  # as the kernel, per K-tile
     a = v.reshape(n, kt * TILE_K).float()
     return permute_torch(x).float() @ a.t()

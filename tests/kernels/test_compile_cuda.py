@@ -114,7 +114,7 @@ GLUON_SCRIPT = textwrap.dedent("""
     names = list(gg.gemm_kernel.arg_names)
 
 
-    def check(bm, stages, rows, split, bits, half=False):
+    def check(bm, stages, rows, split, bits):
         w_box, w_layout = gg.w_box(rows, bits)
         sig = {"x_desc": f"tensordesc<fp16[{bm}, 128],{gg._X_LAYOUT!r}>",
                "w_desc": f"tensordesc<i32{w_box},{w_layout!r}>", "s_ptr": "*fp16",
@@ -122,7 +122,7 @@ GLUON_SCRIPT = textwrap.dedent("""
                "M": "i32", "N": "i32", "KT": "i32", "G": "i32"}
         load_l, words_l = gg.words_layouts(rows, bits)
         ce = dict(group_size=128, BM=bm, STAGES=stages, ROWS=rows, HAS_BIAS=True, SPLIT=split, BITS=bits,
-                  load_l=load_l, words_l=words_l, HALF=half)
+                  load_l=load_l, words_l=words_l)
         sig.update({name: "constexpr" for name in ce})
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("s_ptr", "z_ptr", "out_ptr", "N")}
         # the W8 word tile and both A operands are relabellings the compiler must prove free of data
@@ -130,8 +130,8 @@ GLUON_SCRIPT = textwrap.dedent("""
         out = triton.compile(GluonASTSource(fn=gg.gemm_kernel, signature=sig, constexprs=ce, attrs=attrs),
                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=rows // 16))
         ptx = out.asm["ptx"]
-        what = (bm, stages, rows, split, bits, half)
-        bodies = 1 if half else 3  # HALF: one step per loop iteration (its halves are different registers)
+        what = (bm, stages, rows, split, bits)
+        bodies = 3
         assert out.asm.get("cubin"), what
         # the words arrive as one TMA message per slot, row-major as `_words` reads them: a box the
         # compiler splits (wider than 256) lands as stacked messages (the W8 bug of run 67)
@@ -162,10 +162,6 @@ GLUON_SCRIPT = textwrap.dedent("""
                     continue
                 seen.add((bits, *c.params.values()))
                 check(c.params["bm"], c.params["stages"], c.params["rows"], c.params.get("split", 1), bits)
-    # HALF (K-tiles as two 64-input wgmma groups): queued for the GPU, not in the dispatch
-    for bits in (4, 8):
-        for cfg in ((256, 3, 64, 1), (64, 4, 64, 2)):
-            check(*cfg, bits, half=True)
     print("gluon configurations", len(seen))
 """)
 
