@@ -14,15 +14,17 @@ has retired every warp of the group has issued it, i.e. has read its words of st
 Variants (`CONFIGS`): one or two consumer warpgroups per program (two share each x tile, 128 weight
 rows; the second is a worker partition with its own epilogue, and `empty` counts both arrivals),
 and the launch's register budget `maxnreg`, which sets how many programs share an SM (warps count by
-groups of four; the consumers get the rest through `setmaxnreg`: 232 registers at maxnreg 128). Same operands, dequantization and dot order as
-the package kernel (its helpers are imported); no split K; bias optional. First a check against the fp32 reference on NaN-poisoned outputs (the shapes
-of gluon_probe.py, M = 1, 16, 17, 77, 300), then CUDA-graph medians against the package kernel's
+groups of four; the consumers get the rest through `setmaxnreg`: 232 registers at maxnreg 128). Same
+operands, dequantization and dot order as the package kernel (its helpers are imported); no split K;
+bias optional. First a check against the fp32 reference on NaN-poisoned outputs (the shapes of
+gluon_probe.py, M = 1, 16, 17, 77, 300), then CUDA-graph medians against the package kernel's
 dispatch choice and fp16 `F.linear`.
 
 Outcome (run 75, W4, bench/results/gluon_ws_w4_run75.{txt,json}; bench/KERNELS_NOTES.md item 76): 160
-checks, 0 failures; at M = 256–1024 every variant 3–12 % slower than the package kernel's dispatch
-choice, at M = 64–128 level (qkv M = 64 5 % faster, o / down much slower without split K). Run 75 also
-timed HALF forms (K-tiles as two 64-input wgmma groups), since removed here and from the package.
+checks, 0 failures; at M = 256–1024 the best variant 2–10 % slower than the package kernel's dispatch
+choice; at M = 64–128 mixed (qkv M = 64 and o M = 128 5–6 % faster, down 25–80 % slower without split
+K). Run 75 also timed HALF forms (K-tiles as two 64-input wgmma groups), since removed here and from
+the package.
 """
 
 from __future__ import annotations
