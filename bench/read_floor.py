@@ -108,7 +108,7 @@ def main() -> None:
     for shape, (k, n) in SHAPES.items():
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
         fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
-        fp16_us = graph_us([lambda w=w: F.linear(x, w) for w in fp16])
+        fp16_us = graph_us([lambda w=w, x=x: F.linear(x, w) for w in fp16])
         del fp16
         for bits in (4, 8):
             kw0 = random_kw(k, n, bits, 128 if bits == 4 else -1)
@@ -117,7 +117,7 @@ def main() -> None:
                     for _ in range(ring_size(kws[0].nbytes) - 1)]
             nbytes = kws[0].nbytes
             choice = dispatch.choice_for(kws[0], 1, x.device, graphed=True)
-            ours = graph_us([lambda w=w: dispatch.run(x, w, None, choice) for w in kws])
+            ours = graph_us([lambda w=w, x=x, c=choice: dispatch.run(x, w, None, c) for w in kws])
             del kws
             floor = best_read(nbytes, sms)
             row = {"shape": shape, "bits": bits, "bytes": nbytes, "fp16_us": fp16_us, "ours_us": ours,

@@ -486,7 +486,7 @@ def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     """What the GEMM computes, in torch, step for step (for the CPU tests): each word's values in input
     order, dequantized as DEQ_ASM / DEQ8_ASM do ((q − z) · s rounded to fp16 once), relabelled by the
     kernel's join / reshape / permute into the dot order, times x permuted into that order; fp32 [M, N]."""
-    m, k = x.shape
+    k = x.shape[1]
     n = mw.out_features
     kt = -(-k // TILE_K)
     per = TILE_K * mw.bits // 32  # words per row and K-tile
