@@ -76,35 +76,27 @@ def main() -> None:
     if args.compile_only:
         compile_all()
         return
-    from bench.kernel_candidates import SHAPES, random_kw
-    from bench.kernel_timing import graph_us, rel_err, ring_size
+    from bench.kernel_timing import graph_us, rel_err
+    from bench.kernels_mma import _rings, reference
 
     rows, fails = [], 0
-    for shape, (k, n) in SHAPES.items():
-        for bits in (4, 8):
-            gs = 128 if bits == 4 else -1
-            kws = [random_kw(k, n, bits, gs)]
-            kws += [random_kw(k, n, bits, gs) for _ in range(ring_size(kws[0].nbytes) - 1)]
-            ref_w = triton_mma.from_kernel_weights(kws[0])
-            mws = [ref_w] + [triton_mma.from_kernel_weights(kw) for kw in kws[1:]]
-            w = triton_mma.dequantize(ref_w, torch.float16).float()
-            for m in (1, 16):
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                ref = x.float() @ w.t()
-                p = {**dispatch.mma_choice(bits, m, n, pdl=False).params}
-                row = {"shape": shape, "bits": bits, "m": m, "params": p}
-                for variant in VARIANTS:
-                    use(variant)
-                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
-                    triton_mma.gemv(x, ref_w, out=out, **p)
-                    err = rel_err(out.float(), ref)
-                    fails += err > 1e-2
-                    row[variant] = graph_us([lambda mw=mw, x=x, p=p: triton_mma.gemv(x, mw, **p) for mw in mws])
-                    row[variant + "_err"] = err
-                rows.append(row)
-                print(f"{shape:8} W{bits} M={m:2} " + " ".join(f"{v} {row[v]:6.2f}" for v in VARIANTS)
-                      + f"  worst err {max(row[v + '_err'] for v in VARIANTS):.1e}", flush=True)
-            del kws, mws
+    for bits, ms, shape, _, n, mws, _ in _rings(((4, (1, 16)), (8, (1, 16))), with_fp16=False):
+        for m in ms:
+            x = torch.randn(m, mws[0].in_features, device="cuda", dtype=torch.float16)
+            ref = reference(x, mws[0], None)
+            p = {**dispatch.mma_choice(bits, m, n, pdl=False).params}
+            row = {"shape": shape, "bits": bits, "m": m, "params": p}
+            for variant in VARIANTS:
+                use(variant)
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+                triton_mma.gemv(x, mws[0], out=out, **p)
+                err = rel_err(out.float(), ref)
+                fails += err > 1e-2
+                row[variant] = graph_us([lambda mw=mw, x=x, p=p: triton_mma.gemv(x, mw, **p) for mw in mws])
+                row[variant + "_err"] = err
+            rows.append(row)
+            print(f"{shape:8} W{bits} M={m:2} " + " ".join(f"{v} {row[v]:6.2f}" for v in VARIANTS)
+                  + f"  worst err {max(row[v + '_err'] for v in VARIANTS):.1e}", flush=True)
     print(f"check: {fails} failures")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

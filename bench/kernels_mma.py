@@ -258,15 +258,17 @@ def probe() -> list[dict]:
     return rows
 
 
-def _rings(plan):
+def _rings(plan, with_fp16: bool = True):
     """For each (bits, Ms) of `plan` and each shape: (bits, Ms, shape, K, N, ring of random mma
-    weights, ring of fp16 weights), the rings several times the L2 size; freed after each shape."""
+    weights, ring of fp16 weights or None without `with_fp16`), the rings several times the L2 size;
+    freed after each shape."""
     for bits, ms in plan:
         gs = 128 if bits == 4 else -1
         for shape, (k, n) in SHAPES.items():
             first = random_mw(k, n, bits, gs)
             ring = [first] + [random_mw(k, n, bits, gs) for _ in range(ring_size(first.nbytes) - 1)]
-            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(ring_size(n * k * 2))]
+            fp16 = [torch.randn(n, k, device="cuda", dtype=torch.float16)
+                    for _ in range(ring_size(n * k * 2))] if with_fp16 else None
             yield bits, ms, shape, k, n, ring, fp16
             del first, ring, fp16
             torch.cuda.empty_cache()

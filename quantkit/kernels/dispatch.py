@@ -151,8 +151,8 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choic
 
 
 def _width(n: int, k: int, sms: int) -> tuple[bool, bool, bool]:
-    """(narrow, wide, long K) for the Gluon tables: ≤ 2 or > 6 16-row tiles per SM (o and down, gate_up;
-    qkv between), K over 8192 (down)."""
+    """(narrow, wide, long K) for the GEMV's and the Gluon GEMM's tables: ≤ 2 or > 6 16-row tiles per SM
+    (o and down, gate_up; qkv between), K over 8192 (down)."""
     rows = triton.cdiv(n, 16)
     return rows <= 2 * sms, rows > 6 * sms, k > 8192
 
@@ -222,7 +222,6 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: i
             return choice
     if m > 64:
         return _CUBLAS
-    rows = triton.cdiv(n, 16)
 
     def mma(num_warps: int, tiles: int = 1, maxnreg: int | None = None, row_tiles: int = 1,
             early: bool = False) -> Choice:
@@ -233,7 +232,8 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: i
             p.update(pdl=True, prefetch=1)
         return Choice("mma", p)
 
-    narrow, mid = rows <= 2 * sms, rows <= 6 * sms
+    narrow, wide, _ = _width(n, k, sms)
+    mid = not wide
     if m <= 8:
         if narrow:
             return mma(8, 2, 128, early=True)
