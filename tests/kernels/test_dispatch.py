@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from mma_layers import random_layer
 
-from quantkit.kernels import capture, dispatch, triton_mma
-from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
+from quantkit.kernels import capture, dispatch
+from quantkit.kernels.triton_layout import KernelWeights
 
 
 def test_mma_choice_by_rows_of_x():
@@ -84,9 +85,7 @@ def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
     assert dispatch.mma_choice(8, 16, 12288, k=4096, gluon=True).method == "mma"  # W8: the GEMV to M = 16
     assert dispatch.mma_choice(8, 17, 12288, k=4096, gluon=True).method == "gluon"
     # on the CPU the layer never gets it
-    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(torch.zeros(16, 256, dtype=torch.long), 4),
-                                                      torch.ones(16, 2).half(), torch.zeros(16, 2, dtype=torch.uint8),
-                                                      4, 128, 256, 16))
+    mw = random_layer(16, 256)[0]
     assert dispatch.choice_for(mw, 64, torch.device("cpu")).method == "mma"
 
 
@@ -96,9 +95,7 @@ def test_choice_for_leaves_eager_small_m_to_the_gemv(monkeypatch):
     monkeypatch.setattr(dispatch.gluon_gemm, "supports", lambda kw, dtype, device: True)
     monkeypatch.setattr(dispatch, "_sm_count", lambda device: 132)
     monkeypatch.delenv("QUANTKIT_GLUON", raising=False)
-    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(torch.zeros(12288, 256, dtype=torch.long), 4),
-                                                      torch.ones(12288, 2).half(),
-                                                      torch.zeros(12288, 2, dtype=torch.uint8), 4, 128, 256, 12288))
+    mw = random_layer(12288, 256)[0]
     cpu = torch.device("cpu")
     assert not dispatch.capturing(cpu)
     assert dispatch.choice_for(mw, 64, cpu, graphed=True).method == "gluon"
@@ -112,20 +109,9 @@ def test_choice_for_leaves_eager_small_m_to_the_gemv(monkeypatch):
     assert dispatch.choice_for(mw, 200, cpu, graphed=True).method == "dequant+cublas"
 
 
-def _mma_layer(n: int, k: int, seed: int):
-    """A random W4 g128 layer in the mma layout, its dequantized weight [N, K] and the generator."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=g)
-    s = (torch.rand(n, 2, generator=g) * 0.02 + 0.002).half()
-    z = torch.randint(0, 16, (n, 2), generator=g).to(torch.uint8)
-    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, 4), s, z, 4, 128, k, n))
-    idx = torch.arange(k) // 128
-    return mw, (q.float() - z.float()[:, idx]) * s.float()[:, idx], g
-
-
 def test_run_falls_back_from_a_gluon_choice(triton_interpreter):
     # a Gluon choice handed to run() where the GEMM cannot run (here: the CPU) takes the mma path instead
-    mw, w, g = _mma_layer(24, 256, 3)
+    mw, _, w, g = random_layer(24, 256, seed=3)
     x = torch.randn(80, 256, generator=g).half()
     ref = x.float() @ w.t()
     out = dispatch.run(x, mw, None, dispatch.Choice("gluon", dict(bm=64, stages=3, rows=64)))
@@ -135,7 +121,7 @@ def test_run_falls_back_from_a_gluon_choice(triton_interpreter):
 def test_run_falls_back_when_the_gluon_gemm_declines(triton_interpreter, monkeypatch):
     # inside a CUDA-graph capture the GEMM returns None rather than load a module (its first launch):
     # run() then takes the dispatch's other kernel for those rows (here M = 80: dequantize + matmul)
-    mw, w, g = _mma_layer(24, 256, 4)
+    mw, _, w, g = random_layer(24, 256, seed=4)
     x = torch.randn(80, 256, generator=g).half()
     asked = []
     monkeypatch.setattr(dispatch.gluon_gemm, "supports", lambda kw, dtype, device: True)
@@ -154,7 +140,7 @@ def test_pdl_is_opt_in(monkeypatch):
 
 
 def test_run_mma_layout_dequantize_path(triton_interpreter):
-    mw, w, g = _mma_layer(40, 256, 0)
+    mw, _, w, g = random_layer(40, 256, seed=0)
     x = torch.randn(70, 256, generator=g).half()  # above 64 rows: dequantize + cuBLAS
     bias = torch.randn(40, generator=g).half()
     ref = x.float() @ w.t() + bias.float()

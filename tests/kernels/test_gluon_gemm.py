@@ -6,23 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from mma_layers import random_layer
 from ptx_interp import Warp, f2h, h2f
 
 from quantkit.kernels import gluon_gemm, triton_mma
-from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
-
-
-def _layer(n: int, k: int, group_size: int, seed: int = 0, bits: int = 4):
-    g = torch.Generator().manual_seed(seed)
-    groups = 1 if group_size == -1 else -(-k // group_size)
-    gs = k if group_size == -1 else group_size
-    q = torch.randint(0, 1 << bits, (n, k), generator=g)
-    s = (torch.rand(n, groups, generator=g) * 0.02 + 0.002).half()
-    z = torch.randint(0, 1 << bits, (n, groups), generator=g).to(torch.uint8)
-    mw = triton_mma.from_kernel_weights(KernelWeights(pack_block_planar(q, bits), s, z, bits, gs, k, n))
-    idx = torch.arange(k) // gs
-    w = (q.float() - z.float()[:, idx]) * s.float()[:, idx]
-    return mw, w, g
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -31,7 +18,7 @@ def test_dot_order_product_is_the_layer(n, k, group_size, bits):
     # the words' values relabelled as the kernel does,
     # times x permuted into the same order, is x Wᵀ: a wrong relabelling or permutation pairs weights
     # with the wrong inputs (rel. error ≈ 0.5)
-    mw, w, g = _layer(n, k, group_size, bits=bits)
+    mw, _, w, g = random_layer(n, k, bits, group_size)
     x = torch.randn(7, k, generator=g).half()
     ref = x.float() @ w.t()
     out = gluon_gemm.emulate(x, mw)
@@ -43,7 +30,7 @@ def test_w8_slot_view_is_the_row_words(rows):
     # `_words` (W8): a slot holds the TMA box `w_box` row-major ([row tiles, 2, 256] of qweight viewed as
     # [row tiles, K-tiles · 2, 256]); viewed as [rows / 8, 2, 128], reshaped and permuted as the kernel
     # does, it must give each row's 32 words of the K-tile in row-word order (`emulate` starts from these)
-    mw, _, _ = _layer(3 * rows, 512, 128, bits=8)
+    mw, _, _, _ = random_layer(3 * rows, 512, 8)
     box = gluon_gemm.w_box(rows, 8)[0] if gluon_gemm.gluon is not None else [rows // 16, 2, 256]
     assert box == [rows // 16, 2, 256]
     words = mw.qweight.view(mw.qweight.shape[0], -1, 256)
@@ -93,7 +80,7 @@ def test_permutation_is_the_documented_bit_swap():
 
 
 def test_supports_needs_a_hopper_gpu():
-    mw, _, _ = _layer(16, 256, 128)
+    mw, _, _, _ = random_layer(16, 256)
     # no GPU here (and the interpreter cannot run Gluon): never
     assert not gluon_gemm.supports(mw, torch.float16, torch.device("cpu"))
 
@@ -156,7 +143,7 @@ def test_gemm_declines_inside_a_capture_until_its_launches_have_run(monkeypatch)
         def __call__(self, grid, args, **options):
             launched.append(self.name)
 
-    mw, _, g = _layer(64, 256, 128)
+    mw, _, _, g = random_layer(64, 256)
     x = torch.randn(20, 256, generator=g).half()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     for permute_kept, gemm_kept in ((False, True), (True, False), (False, False)):

@@ -11,24 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mma_layers import random_layer
+from ptx_interp import Warp
 
 from quantkit.kernels import launch as launch_mod
 from quantkit.kernels import triton_mma as tm
-from quantkit.kernels.triton_layout import KernelWeights, pack_block_planar
-from ptx_interp import Warp
-
-
-def random_layer(n: int, k: int, bits: int, gs: int, seed: int = 0):
-    """(mma weights, integers q [n, k], W = (q − z)·s fp32) of a random layer."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 2**bits, (n, k), generator=g)
-    groups = -(-k // gs)
-    s = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).half()
-    z = torch.randint(0, 2**bits, (n, groups), generator=g).to(torch.uint8)
-    kw = KernelWeights(pack_block_planar(q, bits), s, z, bits, gs, k, n)
-    idx = torch.arange(k) // gs
-    w = (q.float() - z.float()[:, idx]) * s.float()[:, idx]
-    return tm.from_kernel_weights(kw), q, w
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -50,7 +37,7 @@ def test_w4_word_holds_eight_consecutive_inputs():
 
 @pytest.mark.parametrize("bits,k,gs", [(4, 256, 128), (4, 320, 128), (8, 384, 384), (4, 384, 256)])
 def test_emulate_matches_reference(bits, k, gs):
-    mw, _, w = random_layer(24, k, bits, gs, seed=bits + k)
+    mw, _, w, _ = random_layer(24, k, bits, gs, seed=bits + k)
     x = torch.randn(5, k).half()
     ref = x.float() @ w.t()
     err = (tm.emulate(x, mw) - ref).norm() / ref.norm()
@@ -61,13 +48,13 @@ def test_emulate_matches_reference(bits, k, gs):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tiles", [1, 2])
 def test_dequantize_kernel(triton_interpreter, bits, gs, dtype, tiles):
-    mw, _, w = random_layer(33, 160 if bits == 8 else 192, bits, gs, seed=7)
+    mw, _, w, _ = random_layer(33, 160 if bits == 8 else 192, bits, gs, seed=7)
     out = tm.dequantize(mw, dtype, tiles=tiles)
     torch.testing.assert_close(out, w.to(dtype), rtol=0, atol=0)
 
 
 def test_dequantize_row_range_into_a_buffer(triton_interpreter):
-    mw, _, w = random_layer(70, 256, 4, 128, seed=11)
+    mw, _, w, _ = random_layer(70, 256, 4, 128, seed=11)
     whole = tm.dequantize(mw, torch.float16)
     buf = torch.full((70 - 32, 256), float("nan"), dtype=torch.float16)
     got = tm.dequantize(mw, torch.float16, rows=(32, 70), out=buf)
@@ -106,7 +93,7 @@ def test_generated_ptx_computes_the_tile(bits, m, tiles, k, bf16, rows):
     one-warp program (tiles 0, 1, …), gives x · Wᵀ over those tiles, for 1 to 8 column tiles of x and
     1, 2 or 4 row tiles. The last row tile is partly past N (its rows are zero padding, scales 0)."""
     n, gs = 16 * rows - 5, 128
-    mw, _, w = random_layer(n, k, bits, gs, seed=m + rows)
+    mw, _, w, _ = random_layer(n, k, bits, gs, seed=m + rows)
     dtype = torch.bfloat16 if bf16 else torch.float16
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     cols = 1 << max(0, (-(-m // 8) - 1).bit_length())
@@ -190,7 +177,7 @@ def test_gemv_kernel_under_the_interpreter(mma_asm, bits, m, k, n, bf16, warps, 
     """The whole Triton kernel (operands, row groups, split-K workspace, masks, stores) on the CPU: the
     interpreter runs its Python and tests/ptx_interp.py its inline PTX, on NaN-poisoned outputs."""
     gs = 128
-    mw, _, w = random_layer(n, k, bits, gs, seed=m * 7 + n)
+    mw, _, w, _ = random_layer(n, k, bits, gs, seed=m * 7 + n)
     dtype = torch.bfloat16 if bf16 else torch.float16
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -208,7 +195,7 @@ def test_dispatch_runs_64_row_slices(mma_asm):
     """dispatch.run with an mma choice launches the GEMV once per 64 rows of x (bias added once)."""
     from quantkit.kernels import dispatch
 
-    mw, _, w = random_layer(24, 128, 4, 128, seed=3)
+    mw, _, w, _ = random_layer(24, 128, 4, 128, seed=3)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(70, 128, generator=g).half()
     b = torch.randn(24, generator=g).half()
@@ -248,7 +235,7 @@ def test_gemv_launch_hands_the_kernel_its_arguments_in_order(mma_asm, monkeypatc
     GemvLaunch passes the compiled kernel every argument in the kernel's parameter order with this
     call's x and output; a call whose specialization differs (an output row stride not ≡ the first
     one's modulo 16) goes through Triton's front end again and still computes the product."""
-    mw, _, w = random_layer(40, 256, 4, 128, seed=5)
+    mw, _, w, _ = random_layer(40, 256, 4, 128, seed=5)
     g = torch.Generator().manual_seed(5)
     x1, x2 = (torch.randn(3, 256, generator=g).half() for _ in range(2))
     mma_asm(x1, mw.qweight)
@@ -282,7 +269,7 @@ def test_gemv_launch_hands_the_kernel_its_arguments_in_order(mma_asm, monkeypatc
 def test_dispatch_keeps_one_launch_per_layer_and_m():
     from quantkit.kernels import dispatch
 
-    mw, _, _ = random_layer(40, 256, 4, 128, seed=6)
+    mw, _, _, _ = random_layer(40, 256, 4, 128, seed=6)
     cpu = torch.device("cpu")
     a = dispatch.gemv_launch(mw, None, 3, torch.float16, cpu)
     assert isinstance(a, tm.GemvLaunch) and a.m == 3
@@ -292,14 +279,14 @@ def test_dispatch_keeps_one_launch_per_layer_and_m():
     b = dispatch.gemv_launch(mw, bias, 3, torch.float16, cpu)
     assert b is not a and b.bias is bias
     assert dispatch.gemv_launch(mw, None, 65, torch.float16, cpu) is None  # dequantize + cuBLAS
-    w8, _, _ = random_layer(40, 256, 8, 256, seed=7)
+    w8, _, _, _ = random_layer(40, 256, 8, 256, seed=7)
     assert dispatch.gemv_launch(w8, None, 3, torch.bfloat16, cpu) is None  # not taken by the mma GEMV
 
 
 def test_dispatch_run_keeps_the_launch_of_an_mma_choice(mma_asm):
     from quantkit.kernels import dispatch
 
-    mw, _, w = random_layer(24, 128, 4, 128, seed=8)
+    mw, _, w, _ = random_layer(24, 128, 4, 128, seed=8)
     g = torch.Generator().manual_seed(9)
     choice = dispatch.Choice("mma", dict(num_warps=1, tiles=1))
     for _ in range(2):
@@ -312,7 +299,7 @@ def test_dispatch_run_keeps_the_launch_of_an_mma_choice(mma_asm):
 
 
 def test_gemv_launch_falls_back_when_the_launcher_refuses(mma_asm, monkeypatch):
-    mw, _, w = random_layer(24, 128, 4, 128, seed=12)
+    mw, _, w, _ = random_layer(24, 128, 4, 128, seed=12)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(12)).half()
     mma_asm(x, mw.qweight)
     launch = tm.GemvLaunch(mw, None, 2, x.device, num_warps=1)
