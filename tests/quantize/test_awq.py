@@ -1,8 +1,10 @@
-"""AWQ on tiny models: folding keeps the fp function, the search never loses to RTN, NaN guards,
-and every registry family round-trips quantize → export → quantkit.load with the in-memory logits."""
+"""AWQ on tiny models: folding keeps the fp function, on planted outlier channels the whole driver
+cuts RTN's logit error, NaN guards, and every registry family round-trips quantize → export →
+quantkit.load with the in-memory logits. The searches alone, measured: test_search.py."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -14,7 +16,6 @@ from quantkit.config import build_config
 from quantkit.models.loading import load_fp_model
 from quantkit.quantize import awq as awq_mod
 from quantkit.quantize.folding import HeadTying, fold_scales
-from quantkit.quantize.search import search_clip
 from tiny import make_tiny_model
 
 @pytest.fixture(autouse=True)
@@ -80,32 +81,56 @@ def test_gqa_fold_matches_attention_output():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_search_never_worse_than_rtn(arch):
+def test_block_report_names_every_search(arch):
     qweights, info = run_awq(make_tiny_model(arch).half())
     assert len(qweights) == 2 * 7
     searched = [g for b in info["blocks"] for g in b["groups"] if "loss" in g]
-    assert len(searched) == 8
-    for g in searched:
-        assert g["loss"] <= g["loss_rtn"], g
-    assert any(g["loss"] < g["loss_rtn"] for g in searched)  # the search does something
+    assert len(searched) == 8 and all(math.isfinite(g["loss"]) and math.isfinite(g["loss_rtn"]) for g in searched)
     for b in info["blocks"]:
-        clipped = {name: c for name, c in b["linears"].items() if "loss_noclip" in c}
-        assert set(clipped) == {"self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
-        for name, c in clipped.items():
-            assert c["loss"] <= c["loss_noclip"] * (1 + 1e-6), (name, c)
+        clipped = {name for name, c in b["linears"].items() if "loss_noclip" in c}
+        assert clipped == {"self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     assert {"capture", "forward", "search", "clip+quantize"} <= set(info["phases_s"])
 
 
-def test_clip_search_beats_minmax_on_its_objective():
-    torch.manual_seed(0)
-    w = torch.randn(16, 64)
-    w[0, 3] = 8.0  # an outlier that min/max quantization wastes its range on
-    x = torch.randn(256, 64)
-    cov = torch.einsum("tgi,tgj->gij", x.reshape(256, 2, 32), x.reshape(256, 2, 32))
-    cfg = build_config(method="awq", **{"weight.group_size": 32}).weight
-    res = search_clip(w, cov, cfg, n_grid=20, max_shrink=0.5)
-    assert res.loss < res.loss_noclip
-    assert (res.max_val <= w.reshape(16, 2, 32).amax(-1) + 1e-6).all()
+def plant_loud_channels(model, gain: float = 30.0, per_norm: int = 3, seed: int = 0) -> None:
+    """Make a few channels of every block's norms `gain` times louder: the salient inputs AWQ protects."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[torch.randperm(hidden, generator=g)[:per_norm]] *= gain
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_awq_beats_rtn_on_loud_channels(seed):
+    """The whole driver (statistics, scale search, folding) on a model with planted loud channels:
+    the logit error of the AWQ model is well below that of plain RTN, and every norm group chose α > 0.
+    Nearest rounding and no clip, so the scales alone make the difference."""
+    model = make_tiny_model("llama", seed)  # fp32: the errors compared are the quantization's
+    plant_loud_channels(model, seed=seed)
+    from quantkit.models.registry import spec_for_config
+    from quantkit.quantize.primitives import quantize_weight
+
+    spec = spec_for_config(model.config)
+    ids = windows(4, 32, seed=7)  # held out: the calibration windows use seed 0
+    rtn = copy.deepcopy(model)
+    cfg = build_config(method="awq", **{**FAST, "awq.clip": False, "awq.rounding": "nearest"})
+    with torch.no_grad():
+        want = model(ids).logits
+        for layer in rtn.model.layers:
+            for name in spec.linears:
+                lin = layer.get_submodule(name)
+                lin.weight.copy_(quantize_weight(lin.weight, cfg.weight).dequantize())
+        rtn_error = float((rtn(ids).logits - want).pow(2).mean())
+    report: dict = {}
+    awq_mod.awq_quantize(model, spec, cfg, windows(), report, progress=False)  # leaves the dequantized weights
+    with torch.no_grad():
+        awq_error = float((model(ids).logits - want).pow(2).mean())
+    norm_groups = [g for b in report["awq"]["blocks"] for g in b["groups"] if g["prev"].endswith("layernorm")]
+    assert len(norm_groups) == 4 and all((g.get("ratio") or 0) > 0 for g in norm_groups), norm_groups
+    # Measured 0.42 and 0.52 of RTN's error (seeds 0, 1); with the scale search off it is 1.0.
+    assert awq_error < 0.8 * rtn_error, (awq_error, rtn_error)
 
 
 def test_nan_activations_fall_back_to_rtn():
