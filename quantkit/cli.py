@@ -138,7 +138,7 @@ DATASETS = typer.Option(["ptb"], "--dataset", help="ptb, wikitext2, pydoc or a .
 SEQLEN = typer.Option(2048, "--seqlen", help="Tokens per evaluation window.")
 WINDOWS = typer.Option(None, "--windows", help="Evaluate only the first N windows (default: all).")
 KV_BITS = typer.Option([16], "--kv-bits", help="KV cache bits: 16 (unquantized), 8 or 4 (repeatable).")
-KV_SCALES = typer.Option("online", "--kv-scales", help="online (per token per head) or static (from kv_stats.safetensors).")
+KV_SCALES = typer.Option("online", "--kv-scales", help="online (per token per head) or static (from quantkit/kv_stats.safetensors).")
 DATA_DIR = typer.Option(None, "--data-dir", help="Directory holding ptb.test.txt etc. (default: $QUANTKIT_DATA_DIR).")
 DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
 AS_JSON = typer.Option(False, "--json", help="Print the results as JSON instead of a table.")
@@ -162,7 +162,7 @@ def eval_ppl(
     windows: int | None = WINDOWS,
     kv_bits: list[int] = KV_BITS,
     kv_scales: str = KV_SCALES,
-    kv_stats: str | None = typer.Option(None, "--kv-stats", help="kv_stats.safetensors for --kv-scales static "
+    kv_stats: str | None = typer.Option(None, "--kv-stats", help="A KV statistics .safetensors file for --kv-scales static "
                                         "(default: the checkpoint's own)."),
     data_dir: str | None = DATA_DIR,
     device: str | None = DEVICE,
@@ -212,7 +212,7 @@ def kv_calibrate(
     calib_samples: int = typer.Option(32, "--calib-samples", help="Windows of calibration text."),
     calib_seqlen: int = typer.Option(512, "--calib-seqlen", help="Tokens per window."),
     seed: int = typer.Option(0, "--seed", help="Seed of the window offsets."),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Where kv_stats.safetensors goes (a file or "
+    output: Path | None = typer.Option(None, "--output", "-o", help="Where the KV statistics go (a .safetensors file or "
                                        "directory) (default: into the checkpoint; required for fp models)."),
     data_dir: str | None = DATA_DIR,
     device: str | None = DEVICE,

@@ -16,7 +16,7 @@ from quantkit.config import KVQuantConfig
 from quantkit.data import evaluation_windows, load_text, tokenize_text
 from quantkit.eval.loading import EvalModel, load_for_eval, set_kv_cache
 from quantkit.eval.perplexity import perplexity_of_windows
-from quantkit.formats.kv_stats import FILE_NAME, KVStatsError
+from quantkit.formats.kv_stats import FILE_NAME, KVStatsError, kv_stats_file
 from quantkit.runtime.kv_cache import kv_cache_factory
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def evaluate_models(paths: Sequence[str | Path], datasets: Sequence[str] = ("ptb
     if kv_scales == "static" and any(b != 16 for b in kv_bits):
         for p in paths:
             src = Path(kv_stats or p)
-            if not (src.is_file() and src.suffix == ".safetensors") and not (src / FILE_NAME).is_file():
+            if not (src.is_file() and src.suffix == ".safetensors") and not (src.is_dir() and kv_stats_file(src)):
                 raise KVStatsError(f"{p} has no {FILE_NAME} for --kv-scales static: run `quantkit kv-calibrate {p} "
                                    "--calib-dataset ptb` (with --output for fp models) or pass --kv-stats FILE")
     texts = {}

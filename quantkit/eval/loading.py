@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.config import KVQuantConfig
+from quantkit.formats.kv_stats import LEGACY_FILE_NAME
 
 
 @dataclass
@@ -42,9 +43,9 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def checkpoint_size(path: Path) -> int:
-    """Bytes of the weight files in a model directory."""
+    """Bytes of the weight files in a model directory (not a root kv_stats.safetensors of an older layout)."""
     return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern)
-               if f.name != "kv_stats.safetensors")
+               if f.name != LEGACY_FILE_NAME)
 
 
 def _weight_fields(path: Path) -> tuple[str, int, Optional[int]]:

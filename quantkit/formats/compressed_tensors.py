@@ -5,6 +5,13 @@ value k of a word in bits b·k..b·k+b−1, each stored as the signed integer pl
 weight_scale [out, groups]; weight_zero_point int32 packed the same way along dim 0 (asymmetric
 only); weight_shape int64 [2]. Dequantized weight: (q_signed − z_signed) · s.
 quantkit's unsigned integers q ∈ [0, 2^b) map to q_signed = q − 2^(b−1), so the packed bits are q.
+
+Static KV-cache scales, where calibration measured K and V: `<attention>.k_scale` / `.v_scale`,
+float32 [1] per layer, with a `kv_cache_scheme` of 8-bit float, strategy "tensor" (what
+llm-compressor writes). vLLM maps them onto its attention layers and, when `kv_cache_dtype` is left
+"auto", keeps an fp8 e4m3 KV cache that stores K / k_scale. One scale per layer rather than per head
+("attn_head"): vLLM takes per-head scales only on FlashAttention 3; its CPU and other backends use
+one number per layer anyway (the largest head's).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import torch
 
 TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+KV_SCALE_NAMES = ("k_scale", "v_scale")
+FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value: absmax maps onto it
 
 
 def _pack_dim1(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -88,4 +97,25 @@ def quantization_config(bits: int, group_size: int, symmetric: bool, ignore: lis
         "ignore": ignore,
         "kv_cache_scheme": None,
     }
+
+
+def kv_cache_scheme() -> dict:
+    """quantization_config["kv_cache_scheme"] for the scales of `kv_cache_scales`: fp8, per tensor."""
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False,
+            "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+
+
+def kv_cache_scales(attention_modules: list[str], k_absmax: torch.Tensor, v_absmax: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`<module>.k_scale` / `.v_scale` for each layer's attention module: the layer's largest |K|
+    (|V|) over heads and channels divided by the fp8 e4m3 maximum, float32 [1].
+    `k_absmax` / `v_absmax` are [layers, ...] with one row per entry of `attention_modules`."""
+    if not (len(attention_modules) == k_absmax.shape[0] == v_absmax.shape[0]):
+        raise ValueError(f"{len(attention_modules)} attention modules but statistics for {k_absmax.shape[0]} layers")
+    out = {}
+    for i, module in enumerate(attention_modules):
+        for name, absmax in zip(KV_SCALE_NAMES, (k_absmax[i], v_absmax[i])):
+            # A layer whose K or V is all zero still needs a positive scale: vLLM reads ≤ 0 as "absent".
+            scale = absmax.float().max().clamp_min(1e-8) / FP8_E4M3_MAX
+            out[f"{module}.{name}"] = scale.reshape(1).contiguous()
+    return out
 

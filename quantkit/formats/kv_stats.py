@@ -1,9 +1,14 @@
-"""`kv_stats.safetensors`: per layer, per KV head, per channel ranges of K (after rotary) and V.
+"""`quantkit/kv_stats.safetensors`: per layer, per KV head, per channel ranges of K (after rotary) and V.
 
 The file holds six float32 tensors of shape [layers, kv_heads, head_dim] — `k_min`, `k_max`,
 `k_absmax`, `v_min`, `v_max`, `v_absmax` — reduced over every calibration token, and two int64
 scalars, `tokens` and `windows`. Per-head figures are reductions over the last axis; keeping the
 channels lets a KV4 cache give keys per-channel scales (keys carry a few outlier channels).
+
+It lives in a `quantkit/` subfolder of the checkpoint, not at its root: transformers, vLLM and
+lmdeploy read every `*.safetensors` at the root as weights when there is no index (vLLM then
+fails with "no module or parameter named 'k_absmax'"), and none of them looks into subfolders.
+Checkpoints written before keep the file at the root (`LEGACY_FILE_NAME`); it is still read.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 
 from quantkit.config import UserError
 
-FILE_NAME = "kv_stats.safetensors"
+FILE_NAME = "quantkit/kv_stats.safetensors"  # relative to the checkpoint directory
+LEGACY_FILE_NAME = "kv_stats.safetensors"  # at the root, where weight loaders take it for weights
 RANGE_NAMES = ("k_min", "k_max", "k_absmax", "v_min", "v_max", "v_absmax")
 
 
@@ -81,13 +87,22 @@ class KVStats:
         }
 
 
+def kv_stats_file(directory: str | Path) -> Path | None:
+    """The statistics file of a checkpoint directory: its own place, else the old root one, else None."""
+    directory = Path(directory)
+    return next((f for f in (directory / FILE_NAME, directory / LEGACY_FILE_NAME) if f.is_file()), None)
+
+
 def write_kv_stats(stats: KVStats, path: str | Path) -> Path:
-    """Write `stats` to `path` (a file, or a directory that receives kv_stats.safetensors)."""
+    """Write `stats` to `path`: a file, or a directory that receives quantkit/kv_stats.safetensors
+    (and loses a root kv_stats.safetensors of an older layout, which weight loaders would misread)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     if path.is_dir():
+        (path / LEGACY_FILE_NAME).unlink(missing_ok=True)
         path = path / FILE_NAME
+        path.parent.mkdir(exist_ok=True)
     save_file(stats.to_tensors(), str(path))
     return path
 
@@ -97,7 +112,7 @@ def read_kv_stats(path: str | Path) -> KVStats:
     from safetensors.torch import load_file
 
     path = Path(path)
-    file = path / FILE_NAME if path.is_dir() else path
+    file = (kv_stats_file(path) or path / FILE_NAME) if path.is_dir() else path
     if not file.is_file():
         raise KVStatsError(
             f"{file} does not exist: static KV scales need calibration statistics; "

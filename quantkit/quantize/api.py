@@ -88,7 +88,7 @@ def quantize(
 
     `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN and int8
     need none. With `work_dir` the packed checkpoint is written there (atomically). The model's
-    weights are changed in place by AWQ's scale folding. KV-cache statistics (kv_stats.safetensors)
+    weights are changed in place by AWQ's scale folding. KV-cache statistics (quantkit/kv_stats.safetensors)
     are written from AWQ's calibration windows, or from `kv_calib` (same forms as `calib`) for any method.
     """
     if work_dir is not None:

@@ -10,6 +10,7 @@ import torch
 from quantkit.config import QuantizeConfig
 from quantkit.formats import awq_gemm, compressed_tensors
 from quantkit.formats.checkpoint import write_checkpoint
+from quantkit.formats.kv_stats import FILE_NAME as KV_STATS_FILE
 from quantkit.models.loading import LoadedModel
 from quantkit.quantize.primitives import QuantizedWeight
 
@@ -49,8 +50,9 @@ def checkpoint_tensors(model: torch.nn.Module, qweights: dict[str, QuantizedWeig
     return out
 
 
-def export_config(loaded: LoadedModel, config: QuantizeConfig) -> dict[str, Any]:
-    """config.json of the export: the model's, in the exported architecture, with quantization_config."""
+def export_config(loaded: LoadedModel, config: QuantizeConfig, kv_cache_scheme: bool = False) -> dict[str, Any]:
+    """config.json of the export: the model's, in the exported architecture, with quantization_config
+    (holding a compressed-tensors `kv_cache_scheme` when `kv_cache_scheme`, see `vllm_kv_scales`)."""
     cfg = loaded.model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.pop("_name_or_path", None)
@@ -58,6 +60,9 @@ def export_config(loaded: LoadedModel, config: QuantizeConfig) -> dict[str, Any]
         cfg["architectures"] = [loaded.spec.export_architecture]
         cfg["model_type"] = "llama"
         cfg.pop("auto_map", None)
+    elif not cfg.get("architectures"):
+        # A model read from a .gguf has none; vLLM and transformers pick the model class from it.
+        cfg["architectures"] = [type(loaded.model).__name__]
     cfg["torch_dtype"] = "float16"
     cfg["dtype"] = "float16"
     w = config.weight
@@ -66,7 +71,21 @@ def export_config(loaded: LoadedModel, config: QuantizeConfig) -> dict[str, Any]
         cfg["quantization_config"] = awq_gemm.quantization_config(w.group_size, keep)
     else:
         cfg["quantization_config"] = compressed_tensors.quantization_config(w.bits, w.group_size, w.symmetric, keep)
+        if kv_cache_scheme:
+            cfg["quantization_config"]["kv_cache_scheme"] = compressed_tensors.kv_cache_scheme()
     return cfg
+
+
+def vllm_kv_scales(model: torch.nn.Module, config: QuantizeConfig, kv_stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The KV statistics as the per-layer `k_scale` / `v_scale` tensors that vLLM reads, for a
+    compressed-tensors export that has statistics (else {}). vLLM takes them only with a
+    compressed-tensors kv_cache_scheme (fp8); for quant_method awq it loads none."""
+    if kv_stats is None or config.resolved_format == "awq":
+        return {}
+    attention = [name for name, module in model.named_modules() if hasattr(module, "k_proj") and hasattr(module, "v_proj")]
+    if len(attention) != kv_stats["k_absmax"].shape[0]:
+        return {}  # not a layout whose attention modules map one to one onto the statistics' layers
+    return compressed_tensors.kv_cache_scales(attention, kv_stats["k_absmax"], kv_stats["v_absmax"])
 
 
 def write_export(
@@ -75,6 +94,8 @@ def write_export(
 ) -> Path:
     """Write the packed checkpoint, tokenizer, generation config and quant_report.json atomically."""
     tensors = checkpoint_tensors(loaded.model, qweights, config)
+    kv_scales = vllm_kv_scales(loaded.model, config, (extra_tensor_files or {}).get(KV_STATS_FILE))
+    tensors.update(kv_scales)
     for t in tensors.values():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError("refusing to write a checkpoint with NaN or Inf values")
@@ -91,9 +112,10 @@ def write_export(
         def _write(d: Path, fname=fname, tdict=tdict) -> None:
             from safetensors.torch import save_file
 
+            (d / fname).parent.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in tdict.items()}, str(d / fname))
         writers.append(_write)
     return write_checkpoint(
-        Path(work_dir), tensors, export_config(loaded, config), overwrite=overwrite,
+        Path(work_dir), tensors, export_config(loaded, config, kv_cache_scheme=bool(kv_scales)), overwrite=overwrite,
         files=files, json_files={"quant_report.json": report}, writers=writers,
     )

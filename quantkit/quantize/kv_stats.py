@@ -99,7 +99,7 @@ def collect_kv_stats(model: torch.nn.Module, windows: torch.Tensor, progress: bo
 
 def kv_stats_for_export(model: torch.nn.Module, windows: Optional[torch.Tensor], report: dict[str, Any],
                         progress: bool = True, max_windows: int = 16) -> dict[str, dict[str, torch.Tensor]]:
-    """`write_export`'s extra files for a quantization run: {kv_stats.safetensors: tensors}, or {} when
+    """`write_export`'s extra files for a quantization run: {FILE_NAME: tensors}, or {} when
     there are no windows or the model can no longer run. Adds the summary to `report["kv_stats"]`.
 
     At most `max_windows` windows are used: ranges settle quickly, and this is a full-model forward

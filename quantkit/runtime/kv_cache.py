@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from quantkit.config import ConfigError, KVQuantConfig
-from quantkit.formats.kv_stats import FILE_NAME, KVStats, KVStatsError, read_kv_stats
+from quantkit.formats.kv_stats import KVStats, KVStatsError, kv_stats_file, read_kv_stats
 from quantkit.runtime.kv_codec import StateCodec, static_codec
 from quantkit.runtime.kv_stream import ChannelGroupStream, TokenStream
 
@@ -152,7 +152,7 @@ class KVCacheSettings:
             raise ValueError(f"key_group must be ≥ 0 (0 codes keys per token), not {self.key_group}")
         if self.scales == "static" and self.stats is None:
             raise KVStatsError(
-                "--kv-scales static needs calibration statistics (kv_stats.safetensors): run "
+                "--kv-scales static needs calibration statistics (quantkit/kv_stats.safetensors): run "
                 "`quantkit kv-calibrate MODEL --calib-dataset ptb` first, or use --kv-scales online"
             )
 
@@ -224,7 +224,7 @@ def _find_stats(source: Any) -> Optional[KVStats]:
     if source is None or isinstance(source, KVStats):
         return source
     path = Path(source)
-    if path.is_dir() and not (path / FILE_NAME).is_file():
+    if path.is_dir() and kv_stats_file(path) is None:
         return None
     return read_kv_stats(path)
 
@@ -233,7 +233,7 @@ def attach_kv_cache(model: torch.nn.Module, stats_source: Any, kv_bits: Optional
                     **settings: Any) -> Optional[KVCacheFactory]:
     """Make `model` use a quantized cache of `kv_bits` (8 or 4; 16/None detaches) wherever it caches.
 
-    `stats_source` is a checkpoint directory, a kv_stats.safetensors path, a `KVStats` or None;
+    `stats_source` is a checkpoint directory, a statistics .safetensors file, a `KVStats` or None;
     static scales need statistics. Further `settings` go to `KVCacheSettings` (key_group, …).
     Returns the factory, which `kv_cache_factory(model)` also gives.
     """

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.formats.checkpoint import CheckpointError, read_safetensors
+from quantkit.formats.compressed_tensors import KV_SCALE_NAMES
 from quantkit.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ def load(
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     sd = read_safetensors(path)
+    # vLLM's fp8 KV scales (compressed-tensors kv_cache_scheme); this runtime reads quantkit/kv_stats.safetensors.
+    sd = {k: v for k, v in sd.items() if k.rpartition(".")[2] not in KV_SCALE_NAMES}
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     n = _replace_linears(model, sd, qc)
