@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.config import UserError
-from quantkit.models import internlm2
+from quantkit.models import internlm2, tokenizer_convert
 from quantkit.models.registry import ArchSpec, spec_for_config
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,11 @@ class LoadedModel:
     tokenizer_files: tuple[Path, ...] = ()
 
 
+# Copied into an export as they are. A checkpoint whose tokenizer is remote code (InternLM2) has none
+# copied: the export saves the converted tokenizer instead, so it holds no .py file and no auto_map.
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenization_internlm2.py",
-    "tokenization_internlm2_fast.py",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
 
 
@@ -75,16 +76,14 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 def _load_tokenizer(path: Path, gguf_file: Optional[str] = None):
     from transformers import AutoTokenizer
 
+    if gguf_file is None and tokenizer_convert.names_remote_tokenizer(path):
+        # AutoTokenizer would ask "Do you wish to run the custom code?" or raise: convert instead.
+        return tokenizer_convert.load_converted(path)
     try:
         if gguf_file:
             return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
         return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # remote-code tokenizers (InternLM2) fall back to their sentencepiece model
-        sp = path / "tokenizer.model"
-        if sp.is_file():
-            from transformers import LlamaTokenizer
-
-            return LlamaTokenizer(vocab_file=str(sp))
+    except Exception as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}".splitlines()[0]) from None
 
 
@@ -138,6 +137,8 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
         raise ModelLoadError(f"{path} is already quantized ({method}); quantize the original full-precision model")
     spec = spec_for_config(cfg)
     tok_files = tuple(path / f for f in _TOKENIZER_FILES if (path / f).is_file())
+    if tokenizer_convert.names_remote_tokenizer(path):
+        tok_files = ()  # the export saves the converted tokenizer
     if spec.name == "internlm2":
         model = _load_internlm2(path, cfg, dtype)
     else:
