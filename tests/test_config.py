@@ -1,11 +1,12 @@
 """Configs validate what users set; recipes load and flags override them."""
 
+from pathlib import Path
+
 import pytest
 
 from quantkit.config import ConfigError, QuantizeConfig, WeightQuantConfig, build_config, load_recipe
-from quantkit.data import MANIFEST_PATH
 
-RECIPES = MANIFEST_PATH.parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def test_awq_format_needs_4_bits():

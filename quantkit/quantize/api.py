@@ -16,8 +16,10 @@ from quantkit.config import QuantizeConfig
 from quantkit.data import (
     TextSource,
     calibration_windows,
+    check_calibration,
     load_calibration,
     tokenize_text,
+    window_sampling,
 )
 from quantkit.formats.checkpoint import check_work_dir
 from quantkit.models.loading import LoadedModel, load_fp_model
@@ -57,11 +59,12 @@ def resolve_calibration(loaded: LoadedModel, config: QuantizeConfig, calib: Cali
     if calib is not None and not isinstance(calib, str):
         tokens = tokenize_text(loaded.tokenizer, "\n\n".join(calib))
         windows = calibration_windows(tokens, c.samples, min(c.seqlen, tokens.numel() - 1), c.seed)
-        return windows, {"kind": "texts", "texts": len(calib), "samples": c.samples, "seqlen": windows.shape[1], "seed": c.seed}
+        return windows, {"kind": "texts", "texts": len(calib), "samples": c.samples, "seqlen": windows.shape[1], "seed": c.seed,
+                         "sampling": window_sampling(tokens.numel(), c.samples, windows.shape[1])}
     dataset = calib if isinstance(calib, str) else c.dataset
     windows, source = load_calibration(loaded.tokenizer, dataset, c.samples, c.seqlen, c.seed, c.data_dir)
     return windows, {"kind": "dataset", "dataset": source.name, "split": source.split, "origin": source.origin,
-                     "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed}
+                     "samples": c.samples, "seqlen": c.seqlen, "seed": c.seed, "sampling": source.sampling}
 
 
 def _load(model_or_path: Any, tokenizer: Any = None) -> LoadedModel:
@@ -93,6 +96,8 @@ def quantize(
     """
     if work_dir is not None:
         check_work_dir(Path(work_dir), overwrite)
+    if config.method == "awq":  # missing, empty or too short text: refused before the model loads
+        check_calibration(calib, config.calib)
     t0 = time.perf_counter()
     loaded = _load(model_or_path, tokenizer)
     timings: dict[str, float] = {"load": time.perf_counter() - t0}
