@@ -1,14 +1,21 @@
 """Checkpoint directories: safetensors shards, config.json, extra files, written atomically.
 
 Everything goes into a temporary sibling directory that is renamed onto the target only when
-complete, so an interrupted run leaves the target as it was.
+complete, so an interrupted run leaves the target as it was. The temporary directory is named after
+the writer's host and process: a run killed mid-write (SIGKILL runs no cleanup) leaves it behind, and
+the next write into the same folder removes it once that process is gone (`remove_stale_temp_dirs`).
+Files and folders get the modes the umask gives (0644 / 0755 usually), like any file the user writes.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import secrets
 import shutil
-import tempfile
+import socket
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,6 +25,11 @@ from quantkit.config import UserError
 
 SHARD_BYTES = 5 * 1024**3
 INDEX_NAME = "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
+
+# .NAME.tmp-HOST-PID-RANDOM (being written) and .NAME.old-HOST-PID-RANDOM (the target being replaced)
+_TEMP_NAME = re.compile(r"^\..+\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
 class CheckpointError(UserError):
@@ -30,6 +42,53 @@ def check_work_dir(work_dir: Path, overwrite: bool) -> None:
         raise CheckpointError(f"--work-dir {work_dir} is a file; choose a directory path")
     if work_dir.is_dir() and any(work_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"--work-dir {work_dir} is not empty; choose another directory or pass --overwrite")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(parent: Path) -> list[Path]:
+    """Remove the temporary directories in `parent` whose writer, a process of this host, is gone;
+    returns them. Those of live writers and of other hosts sharing the folder are left alone."""
+    removed: list[Path] = []
+    if not parent.is_dir():
+        return removed
+    host = socket.gethostname()
+    for p in parent.iterdir():
+        m = _TEMP_NAME.match(p.name)
+        if m and p.is_dir() and m["host"] == host and not _process_alive(int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
+            log.warning("removed %s, left by an interrupted run (process %s is gone)", p, m["pid"])
+            removed.append(p)
+    return removed
+
+
+def temp_dir_for(work_dir: Path) -> Path:
+    """A new hidden sibling of `work_dir` to write into, named after this host and process (so a later
+    run can tell a dead writer's leftovers); stale ones of dead writers are removed first."""
+    work_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(work_dir.parent)
+    tmp = work_dir.with_name(f".{work_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    return tmp
+
+
+def set_umask_modes(directory: Path) -> None:
+    """Give `directory` and everything in it the modes a new folder / file gets under the umask
+    (safetensors writes its files 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for p in directory.rglob("*"):
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
@@ -82,8 +141,7 @@ def write_checkpoint(
     """
     work_dir = Path(work_dir)
     check_work_dir(work_dir, overwrite)
-    work_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{work_dir.name}.tmp-", dir=work_dir.parent))
+    tmp = temp_dir_for(work_dir)
     try:
         write_safetensors(tmp, tensors, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
@@ -93,8 +151,9 @@ def write_checkpoint(
             shutil.copy2(src, tmp / name)
         for name, data in (json_files or {}).items():
             (tmp / name).write_text(json.dumps(data, indent=2, default=str))
+        set_umask_modes(tmp)
         if work_dir.exists():
-            old = work_dir.with_name(f".{work_dir.name}.old-{tmp.name[-8:]}")
+            old = work_dir.with_name(tmp.name.replace(".tmp-", ".old-", 1))
             work_dir.rename(old)
             tmp.rename(work_dir)
             shutil.rmtree(old, ignore_errors=True)

@@ -56,3 +56,55 @@ def test_truncated_file_names_the_file(tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="model.safetensors"):
         read_safetensors(out)
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temp_dirs_of_dead_writers_are_removed(tmp_path):
+    import os
+    import socket
+
+    host = socket.gethostname()
+    stale = tmp_path / f".ckpt.tmp-{host}-{dead_pid()}-0123abcd"  # a run killed mid-write
+    stale_old = tmp_path / f".other.old-{host}-{dead_pid()}-89abcdef"  # killed while replacing a target
+    live = tmp_path / f".ckpt.tmp-{host}-{os.getpid()}-deadbeef"  # a writer still running
+    remote = tmp_path / f".ckpt.tmp-otherhost-{dead_pid()}-feedf00d"  # a writer on another host
+    for d in (stale, stale_old, live, remote):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    write_checkpoint(tmp_path / "ckpt", tensors(), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", live.name, remote.name])
+
+
+def test_temp_dir_names_its_writer(tmp_path):
+    import os
+    import socket
+
+    seen = []
+    write_checkpoint(tmp_path / "ckpt", tensors(), {}, writers=[lambda d: seen.append(d.name)])
+    assert seen[0].startswith(f".ckpt.tmp-{socket.gethostname()}-{os.getpid()}-")
+
+
+@pytest.mark.parametrize("umask,dir_mode,file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_modes_follow_the_umask(tmp_path, umask, dir_mode, file_mode):
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        out = write_checkpoint(tmp_path / "ckpt", tensors(), {"a": 1}, json_files={"r.json": {}},
+                               shard_bytes=64 * 64 * 4 * 2)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == dir_mode
+    files = list(out.iterdir())
+    assert len(files) == 5  # two shards, the index, config.json, r.json
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: file_mode for p in files}
