@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
 from quantkit.config import UserError
+
+log = logging.getLogger(__name__)
 
 # sentencepiece piece types (sentencepiece_model.proto: ModelProto.SentencePiece.Type)
 _NORMAL, _USER_DEFINED = 1, 4
@@ -206,4 +209,7 @@ def load_converted(path: Path):
     template = path / "chat_template.jinja"
     if template.is_file() and not cfg.get("chat_template"):
         cfg["chat_template"] = template.read_text()
+    if "internlm2" not in json.dumps(cfg.get("auto_map", "")).lower():
+        log.warning("%s: tokenizer converted from tokenizer.model without running its remote code; "
+                    "anything that code adds to sentencepiece is not kept", path)
     return sentencepiece_to_fast(model_file, cfg)

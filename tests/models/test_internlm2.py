@@ -150,6 +150,14 @@ def test_converted_tokenizer_encodes_as_sentencepiece(tmp_path, normalizer):
     for text in texts:
         assert tok(text)["input_ids"] == sp.encode(text), text
         assert tok.decode(tok(text)["input_ids"]) == sp.decode(sp.encode(text)), text
+    # With InternLM2's tokenizer_config: chat tokens split the text, each piece between is encoded alone.
+    config = internlm2_tokenizer_config(sp)
+    chat = sentencepiece_to_fast(tmp_path / "tokenizer.model", config)
+    alphabet += list(CHAT_TOKENS) + ["<s>", "</s>"]
+    texts = [f"<|im_start|>user\n{USER}<|im_end|>\n<|im_start|>assistant\n", " <|im_end|> x<s>  "]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(300)]
+    for text in texts:
+        assert chat(text)["input_ids"] == [sp.bos_id()] + reference_ids(sp, text, config), text
 
 
 def test_internlm2_release_quantizes_and_loads_without_remote_code(internlm2_release, tmp_path, monkeypatch):
