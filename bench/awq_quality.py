@@ -90,10 +90,9 @@ def main() -> None:
     if args.baselines:
         rows.append({"name": "fp16 model", **evaluate(loaded.model, loaded.tokenizer, datasets, args.eval_windows)})
         rtn = copy.deepcopy(loaded.model)
-        res = quantize(type(loaded)(rtn, loaded.tokenizer, loaded.spec, loaded.source), with_bits(build_config(method="rtn", **weight), args.bits),
-                       progress=False)
-        for name, qw in res.qweights.items():
-            rtn.get_submodule(name).weight.data = qw.dequantize().to(torch.float16)
+        # quantize() leaves an in-memory model holding its dequantized weights: `rtn` is the RTN model.
+        quantize(type(loaded)(rtn, loaded.tokenizer, loaded.spec, loaded.source), with_bits(build_config(method="rtn", **weight), args.bits),
+                 progress=False)
         rows.append({"name": f"RTN W{args.bits} g{args.group_size}", **evaluate(rtn, loaded.tokenizer, datasets, args.eval_windows)})
         del rtn
     for variant in args.variants.split(","):

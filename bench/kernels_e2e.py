@@ -34,7 +34,7 @@ def build_checkpoint(work: Path, layers: int):
     from quantkit.config import QuantizeConfig, WeightQuantConfig
     from quantkit.models.loading import LoadedModel
     from quantkit.models.registry import spec_for_config
-    from quantkit.quantize.export import write_export
+    from quantkit.quantize.export import checkpoint_tensors, write_export
     from quantkit.quantize.rtn import rtn_quantize
     from tests.tiny import make_tokenizer
 
@@ -51,7 +51,8 @@ def build_checkpoint(work: Path, layers: int):
         qw.q, qw.zeros, qw.scales = qw.q.cpu(), qw.zeros.cpu(), qw.scales.cpu()
     model.cpu()
     loaded = LoadedModel(model, make_tokenizer(), spec, "random Llama-2-7B-shape model")
-    write_export(loaded, qweights, QuantizeConfig(method="rtn", weight=wcfg), work, {"note": "kernel e2e"}, overwrite=True)
+    qcfg = QuantizeConfig(method="rtn", weight=wcfg)
+    write_export(loaded, checkpoint_tensors(model, qweights, qcfg), qcfg, work, {"note": "kernel e2e"}, overwrite=True)
     return model.cuda(), work
 
 

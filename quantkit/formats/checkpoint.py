@@ -17,7 +17,7 @@ import secrets
 import shutil
 import socket
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -91,42 +91,53 @@ def set_umask_modes(directory: Path) -> None:
             p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
-def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
-    return shards
+def write_safetensors(directory: Path, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                      shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Write `tensors` as one file or as shards with an index; returns the file names.
 
-
-def write_safetensors(directory: Path, tensors: dict[str, torch.Tensor], shard_bytes: int = SHARD_BYTES) -> list[str]:
-    """Write `tensors` as one file or as shards with an index; returns the file names."""
+    `tensors` may be a mapping or an iterable of (name, tensor) pairs produced while the file is
+    written (a block-by-block quantization pass): each shard is written as soon as it is full, and
+    only its tensors are held, so the whole checkpoint is never in memory at once. A shard is cut
+    before the tensor that would take it past `shard_bytes`."""
     from safetensors.torch import save_file
 
-    shards = _shards(tensors, shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    parts: list[tuple[Path, list[str], int]] = []  # written part file, its tensor names, their bytes
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        part = directory / f".part-{len(parts) + 1:05d}.safetensors"
+        save_file(shard, str(part), metadata={"format": "pt"})
+        parts.append((part, list(shard), size))
+        shard.clear()
+
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t.contiguous()
+        size += nbytes
+    if shard or not parts:
+        flush()
+    if len(parts) == 1:
+        parts[0][0].rename(directory / "model.safetensors")
         return ["model.safetensors"]
-    names, weight_map, total = [], {}, 0
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / name), metadata={"format": "pt"})
+    names, weight_map = [], {}
+    for i, (part, keys, _) in enumerate(parts, 1):
+        name = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(directory / name)
         names.append(name)
-        for key, t in shard.items():
-            weight_map[key] = name
-            total += t.numel() * t.element_size()
+        weight_map.update({key: name for key in keys})
+    total = sum(p[2] for p in parts)
     (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
 
 
 def write_checkpoint(
     work_dir: Path,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     config: dict,
     overwrite: bool = False,
     files: Optional[dict[str, Path]] = None,
@@ -137,7 +148,9 @@ def write_checkpoint(
     """Write a complete checkpoint directory atomically and return its path.
 
     `files` are copied in as they are; `json_files` are written as JSON; each of `writers` is called
-    with the temporary directory (tokenizer.save_pretrained, generation config, …).
+    with the temporary directory (tokenizer.save_pretrained, generation config, …). `tensors` are
+    consumed first, so a producer of (name, tensor) pairs may still complete `config`, the JSON
+    files and what the writers write while it runs.
     """
     work_dir = Path(work_dir)
     check_work_dir(work_dir, overwrite)

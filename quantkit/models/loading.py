@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.config import UserError
-from quantkit.models import internlm2, tokenizer_convert
+from quantkit.models import internlm2, lazy, tokenizer_convert
 from quantkit.models.registry import ArchSpec, spec_for_config
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ class LoadedModel:
     source: str
     # Files to copy into an export as they are (tokenizer files of the source directory).
     tokenizer_files: tuple[Path, ...] = ()
+    # Where a block-by-block pass gets the decoder blocks' weights (None: they are in the model).
+    blocks: Optional[lazy.BlockWeights] = None
 
 
 # Copied into an export as they are. A checkpoint whose tokenizer is remote code (InternLM2) has none
@@ -55,24 +57,6 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(str(f)))
-        return sd
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
-        raise ModelLoadError(f"{path} has a config.json but no *.safetensors or pytorch_model*.bin weights")
-    sd = {}
-    for f in bins:
-        sd.update(torch.load(f, map_location="cpu", weights_only=True))
-    return sd
-
-
 def _load_tokenizer(path: Path, gguf_file: Optional[str] = None):
     from transformers import AutoTokenizer
 
@@ -87,30 +71,30 @@ def _load_tokenizer(path: Path, gguf_file: Optional[str] = None):
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}".splitlines()[0]) from None
 
 
-def _load_internlm2(path: Path, cfg: dict[str, Any], dtype: torch.dtype):
-    from accelerate import init_empty_weights
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _load_lazy(path: Path, cfg: dict[str, Any], spec: ArchSpec, dtype: torch.dtype):
+    """The model with empty decoder blocks and a `LazyBlocks` that reads them from `path` on demand.
+    InternLM2 is converted to the Llama layout tensor by tensor (its wqkv split per block)."""
+    from transformers import AutoConfig, LlamaConfig
 
-    config = LlamaConfig(**internlm2.llama_config_dict(cfg))
-    with init_empty_weights(include_buffers=False):
-        model = LlamaForCausalLM(config)
-    sd = internlm2.to_llama_state_dict(_read_state_dict(path), cfg)
-    if config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    sd = {k: v.to(dtype) for k, v in sd.items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{path}: InternLM2 weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
+    if spec.name == "internlm2":
+        config = LlamaConfig(**internlm2.llama_config_dict(cfg))
+
+        def convert(sd):
+            return internlm2.to_llama_state_dict(sd, cfg)
+    else:
+        config, convert = AutoConfig.from_pretrained(str(path)), None
+    try:
+        return lazy.build_lazy_model(config, lazy.TensorReader(path), spec.layers_path, dtype, convert, path)
+    except lazy.WeightsMismatch as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
-def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> LoadedModel:
-    """Load MODEL (HF directory or .gguf file) on the CPU in `dtype`, with its registry entry."""
+def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.float16, lazy_blocks: bool = False) -> LoadedModel:
+    """Load MODEL (HF directory or .gguf file) on the CPU in `dtype`, with its registry entry.
+
+    With `lazy_blocks` the decoder blocks of an HF directory are left empty and `LoadedModel.blocks`
+    reads each from the checkpoint's files when a block-by-block pass asks for it (a .gguf file is
+    read whole: its blocks are in memory, and the pass frees each once done)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(model_path)
@@ -130,7 +114,7 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
         model.hf_quantizer = None
         spec = spec_for_config(model.config)
         tok = _load_tokenizer(path.parent, gguf_file=path.name)
-        return LoadedModel(model.eval(), tok, spec, str(path))
+        return LoadedModel(model.eval(), tok, spec, str(path), blocks=lazy.BlockWeights(drop=True) if lazy_blocks else None)
     cfg = read_config_json(path)
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "unknown")
@@ -139,11 +123,14 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
     tok_files = tuple(path / f for f in _TOKENIZER_FILES if (path / f).is_file())
     if tokenizer_convert.names_remote_tokenizer(path):
         tok_files = ()  # the export saves the converted tokenizer
-    if spec.name == "internlm2":
-        model = _load_internlm2(path, cfg, dtype)
+    blocks = None
+    if lazy_blocks or spec.name == "internlm2":  # InternLM2 is never loaded by transformers (remote code)
+        model, blocks = _load_lazy(path, cfg, spec, dtype)
+        if not lazy_blocks:
+            model, blocks = lazy.load_all_blocks(model, blocks), None
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load {path}: {exc}".splitlines()[0]) from None
-    return LoadedModel(model.eval(), _load_tokenizer(path), spec, str(path), tok_files)
+    return LoadedModel(model.eval(), _load_tokenizer(path), spec, str(path), tok_files, blocks)

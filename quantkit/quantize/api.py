@@ -25,20 +25,24 @@ from quantkit.formats.checkpoint import check_work_dir
 from quantkit.models.loading import LoadedModel, load_fp_model
 from quantkit.models.registry import spec_for_config
 from quantkit.quantize.export import write_export
-from quantkit.quantize.rtn import check_group_size, rtn_quantize
+from quantkit.quantize.rtn import check_group_size
+from quantkit.quantize.stream import BlockPass
 
 log = logging.getLogger(__name__)
 
 Calib = Union[None, str, Sequence[str], torch.Tensor]
+# KV statistics come from the first windows: ranges settle quickly.
+KV_WINDOWS = 16
 
 
 @dataclass
 class QuantizeResult:
-    """What a run produced: the checkpoint path (if written), the report and the quantized weights."""
+    """What a run produced: the checkpoint path (if written) and the report; without a work dir, the
+    checkpoint's tensors (packed linears, fp16 rest) in `tensors` instead."""
 
     work_dir: Optional[Path]
     report: dict[str, Any]
-    qweights: dict = field(repr=False, default_factory=dict)
+    tensors: dict = field(repr=False, default_factory=dict)
 
 
 def _versions() -> dict[str, str]:
@@ -71,7 +75,7 @@ def _load(model_or_path: Any, tokenizer: Any = None) -> LoadedModel:
     if isinstance(model_or_path, LoadedModel):
         return model_or_path
     if isinstance(model_or_path, (str, Path)):
-        return load_fp_model(model_or_path)
+        return load_fp_model(model_or_path, lazy_blocks=True)  # each block read when its turn comes
     if tokenizer is None:
         raise ValueError("quantize(model, …) with an in-memory model needs tokenizer=… as well")
     return LoadedModel(model_or_path, tokenizer, spec_for_config(model_or_path.config), "in-memory model")
@@ -90,9 +94,15 @@ def quantize(
     """Quantize a model (path, `LoadedModel` or transformers model + `tokenizer`) under `config`.
 
     `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN and int8
-    need none. With `work_dir` the packed checkpoint is written there (atomically). The model's
-    weights are changed in place by AWQ's scale folding. KV-cache statistics (quantkit/kv_stats.safetensors)
-    are written from AWQ's calibration windows, or from `kv_calib` (same forms as `calib`) for any method.
+    need none. With `work_dir` the packed checkpoint is written there (atomically). KV-cache
+    statistics (quantkit/kv_stats.safetensors) are written from AWQ's calibration windows, or from
+    `kv_calib` (same forms as `calib`) for any method, measured on the quantized blocks.
+
+    One pass, block by block (stream.py): a model given as a path has each decoder block read from
+    its files when its turn comes and released once packed, so the host holds the embeddings, one
+    block and the shard being written. An in-memory model keeps its weights: afterwards each
+    quantized linear holds its dequantized weight (AWQ's scales folded in), so it computes what the
+    checkpoint holds.
     """
     if work_dir is not None:
         check_work_dir(Path(work_dir), overwrite)
@@ -105,37 +115,37 @@ def quantize(
     report: dict[str, Any] = {"method": config.method, "config": config.to_dict(), "format": config.resolved_format,
                               "source": loaded.source, "architecture": loaded.spec.name}
     t1 = time.perf_counter()
+    windows = kv_windows = None
+    report["calibration"] = None
     if config.method == "awq":
-        from quantkit.quantize.awq import awq_quantize
-
         windows, report["calibration"] = resolve_calibration(loaded, config, calib)
-        qweights = awq_quantize(loaded.model, loaded.spec, config, windows, report, progress=progress)
-    else:
-        report["calibration"] = None
-        qweights = rtn_quantize(loaded.model, loaded.spec, config.weight, progress=progress)
-        windows = None
-    timings["quantize"] = time.perf_counter() - t1
-    extra: dict = {}
     if work_dir is not None:
-        from quantkit.quantize.kv_stats import kv_stats_for_export
-
-        t_kv = time.perf_counter()
         if kv_calib is not None:
-            windows = resolve_calibration(loaded, config, kv_calib)[0]
-        extra = kv_stats_for_export(loaded.model, windows, report, progress=progress)
-        timings["kv_stats"] = time.perf_counter() - t_kv
-    report["timings_s"] = timings
-    report["versions"] = _versions()
-    out = None
-    if work_dir is not None:
-        t2 = time.perf_counter()
+            kv_windows = resolve_calibration(loaded, config, kv_calib)[0][:KV_WINDOWS]
+        elif windows is not None:
+            kv_windows = windows[:KV_WINDOWS]
+    block_pass = BlockPass(loaded, config, windows, kv_windows, report, progress=progress)
+
+    def finish() -> dict:
+        """Called once every tensor is produced, before the report is written."""
+        timings["quantize"] = time.perf_counter() - t1
+        timings.update({k: round(v, 3) for k, v in block_pass.seconds.items()})
+        report["timings_s"] = timings
+        report["versions"] = _versions()
         report["peak_host_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
         if torch.cuda.is_available():
             report["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1024**3
         report["wall_time_s"] = time.perf_counter() - t0
-        out = write_export(loaded, qweights, config, Path(work_dir), report, overwrite=overwrite,
-                           extra_tensor_files=extra)
-        timings["write"] = time.perf_counter() - t2
-        log.info("wrote %s in %.1fs", out, timings["write"])
+        return block_pass.extra_files()
+
+    out, tensors = None, {}
+    if work_dir is not None:
+        out = write_export(loaded, block_pass.tensors(), config, Path(work_dir), report, overwrite=overwrite,
+                           extra_tensor_files=finish)
+        timings["write"] = time.perf_counter() - t1 - timings["quantize"]
+        log.info("wrote %s in %.1fs", out, time.perf_counter() - t0)
+    else:
+        tensors = dict(block_pass.tensors())
+        finish()
     report["wall_time_s"] = time.perf_counter() - t0
-    return QuantizeResult(out, report, qweights)
+    return QuantizeResult(out, report, tensors)

@@ -19,12 +19,14 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from quantkit.config import QuantizeConfig
+from quantkit.models.lazy import BlockWeights
 from quantkit.models.registry import ArchSpec, ScaleGroup
 from quantkit.quantize.calibration import InputStats, call_layer, call_module, capture_inputs, gather_block
 from quantkit.quantize.finalize import finalize_block
@@ -156,25 +158,31 @@ def _empty_stats(layer, spec: ArchSpec, config: QuantizeConfig, device: torch.de
     return out
 
 
-def _release(layer, spec) -> None:
-    """Drop the block linears' fp weights (the codes are kept): the host then holds about one model."""
-    for name in spec.linears:
-        lin = layer.get_submodule(name)
-        lin.weight = torch.nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+@dataclass
+class QuantizedBlock:
+    """A decoder block just quantized: on the pass's device, its linears holding their dequantized
+    weights, `qweights` ({full module name: QuantizedWeight}) its codes on the same device."""
+
+    index: int
+    prefix: str
+    layer: torch.nn.Module
+    qweights: dict[str, QuantizedWeight]
 
 
-def awq_quantize(
+def awq_blocks(
     model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor, report: dict[str, Any],
-    progress: bool = True, release_weights: bool = False,
-) -> dict[str, QuantizedWeight]:
-    """AWQ-quantize every block linear of `model` (CPU, fp16) with calibration `windows` [n, seqlen].
+    blocks: Optional[BlockWeights] = None, progress: bool = True,
+) -> Iterator[QuantizedBlock]:
+    """AWQ-quantize `model`'s blocks one at a time with calibration `windows` [n, seqlen], yielding each.
 
-    Scales are folded into the model in place and each quantized linear holds its dequantized weight
-    afterwards (unless `release_weights`, which frees them for models near the size of host memory).
-    Returns {full module name: QuantizedWeight}; settings, losses, ratios, fallbacks and per-phase
+    `blocks` says where each block's weights come from and what happens to them once it is done
+    (default: they are in the model and go back to the host, holding their dequantized weights, with
+    the scales folded in). The caller uses a yielded block (packs it) before asking for the next:
+    only then is it propagated and released. Settings, losses, ratios, fallbacks and per-phase
     times go into `report["awq"]`.
     """
     check_group_size(model, spec, config.weight)
+    blocks = blocks or BlockWeights()
     awq = config.awq
     device = resolve_device(config.device)
     act_dtype = activation_dtype(device)
@@ -198,10 +206,11 @@ def awq_quantize(
     with phases("capture"):
         inputs = capture_inputs(model, spec, windows, batch, device, act_dtype)
     layers = decoder_layers(model, spec)
-    qweights: dict[str, QuantizedWeight] = {}
     bar = tqdm(layers, desc=f"AWQ W{config.weight.bits}", disable=not progress, unit="block")
     for index, layer in enumerate(bar):
         prefix = f"{spec.layers_path}.{index}"
+        with phases("load"):
+            blocks.load(index, layer)
         store_dtype = next(layer.parameters()).dtype
         with phases("transfer"):
             layer.to(device=device, dtype=act_dtype)
@@ -220,8 +229,9 @@ def awq_quantize(
         del captured
         with phases("clip+quantize"):
             q, block["linears"] = finalize_block(layer, prefix, stats, config, lambda name: _clipped(spec, name))
-            qweights.update(q)
         del stats
+        yield QuantizedBlock(index, prefix, layer, q)
+        del q
         if awq.propagate == "quantized":
             with phases("forward"), torch.no_grad():
                 # Each batch's input is replaced by its output as soon as it is computed: one copy lives.
@@ -231,9 +241,7 @@ def awq_quantize(
         else:
             inputs.hidden = fp_out
         with phases("transfer"):
-            if release_weights:  # before the move, so the dropped weights never travel back
-                _release(layer, spec)
-            layer.to(device="cpu", dtype=store_dtype)
+            blocks.release(index, layer, store_dtype)
         searched = [g for g in block["groups"] if "loss" in g]
         before = sum(g["loss_rtn"] for g in searched)
         after = sum(g["loss"] for g in searched)
@@ -242,7 +250,21 @@ def awq_quantize(
         log.info("block %d: search loss %.4g → %.4g (%s)", index, before, after,
                  ", ".join(f"{g['prev']}:{'RTN' if g['fallback'] else format(g['ratio'], '.2f')}" for g in block["groups"]))
         bar.set_postfix(loss=f"{before:.3g}→{after:.3g}")
-    info["phases_s"] = {k: round(v, 3) for k, v in phases.seconds.items()}
+        info["phases_s"] = {k: round(v, 3) for k, v in phases.seconds.items()}
     if device.type == "cuda":
         info["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
-    return qweights
+
+
+def awq_quantize(
+    model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor, report: dict[str, Any],
+    progress: bool = True,
+) -> dict[str, QuantizedWeight]:
+    """`awq_blocks` over an in-memory model, collecting every block's codes on the host.
+
+    Scales are folded into the model in place and each quantized linear holds its dequantized
+    weight afterwards. Returns {full module name: QuantizedWeight}."""
+    out: dict[str, QuantizedWeight] = {}
+    for qb in awq_blocks(model, spec, config, windows, report, progress=progress):
+        out.update({name: QuantizedWeight(qw.q.cpu(), qw.zeros.cpu(), qw.scales.cpu(), qw.bits, qw.group_size)
+                    for name, qw in qb.qweights.items()})
+    return out

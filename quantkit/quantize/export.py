@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -12,11 +12,17 @@ from quantkit.formats import awq_gemm, compressed_tensors
 from quantkit.formats.checkpoint import write_checkpoint
 from quantkit.formats.kv_stats import FILE_NAME as KV_STATS_FILE
 from quantkit.models.loading import LoadedModel
+from quantkit.models.registry import ArchSpec
 from quantkit.quantize.primitives import QuantizedWeight
+
+ExtraFiles = dict[str, dict[str, torch.Tensor]]
+# Shards of an export: a shard is held in host memory until it is written, so smaller than the
+# usual 5 GB keeps a 13B model's streaming pass within a few GB of host memory.
+STREAM_SHARD_BYTES = 1024**3
 
 
 def packed_tensors(qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
-    """Packed tensors for every quantized linear, named `<module>.<tensor>` as the format wants.
+    """Packed tensors for every quantized linear, named `<module>.<tensor>` as the format wants, on the host.
 
     The bit packing runs on the accelerator when there is one (`config.device`, else CUDA when
     present): on a 7B model it is about 35 s of host time and well under a second there."""
@@ -37,15 +43,37 @@ def packed_tensors(qweights: dict[str, QuantizedWeight], config: QuantizeConfig)
     return out
 
 
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float16).contiguous() if t.is_floating_point() else t.detach().contiguous()
+
+
+def stem_tensors(model: torch.nn.Module, spec: ArchSpec) -> dict[str, torch.Tensor]:
+    """The tensors outside the decoder blocks (embeddings, final norm, lm_head unless tied), fp16."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    blocks = f"{spec.layers_path}."
+    return {key: _fp16(t) for key, t in model.state_dict().items()
+            if not key.startswith(blocks) and not (tied and key == "lm_head.weight")}
+
+
+def block_tensors(layer: torch.nn.Module, prefix: str, qweights: dict[str, QuantizedWeight],
+                  config: QuantizeConfig) -> dict[str, torch.Tensor]:
+    """One quantized block's checkpoint tensors on the host: its linears packed (where `packed_tensors`
+    packs), its other tensors (norms, biases) in fp16. `qweights` are keyed by full module name."""
+    replaced = {f"{name[len(prefix) + 1:]}.weight" for name in qweights}
+    out = {f"{prefix}.{key}": _fp16(t).cpu() for key, t in layer.state_dict().items() if key not in replaced}
+    out.update(packed_tensors(qweights, config))
+    return out
+
+
 def checkpoint_tensors(model: torch.nn.Module, qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
-    """The model's fp16 tensors with each quantized linear's weight replaced by its packed tensors."""
+    """A whole in-memory model's fp16 tensors with each quantized linear's weight replaced by its packed tensors."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     replaced = {f"{name}.weight" for name in qweights}
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
         if key in replaced or (tied and key == "lm_head.weight"):
             continue
-        out[key] = t.detach().to(torch.float16).contiguous() if t.is_floating_point() else t.contiguous()
+        out[key] = _fp16(t)
     out.update(packed_tensors(qweights, config))
     return out
 
@@ -89,16 +117,29 @@ def vllm_kv_scales(model: torch.nn.Module, config: QuantizeConfig, kv_stats: dic
 
 
 def write_export(
-    loaded: LoadedModel, qweights: dict[str, QuantizedWeight], config: QuantizeConfig, work_dir: Path,
-    report: dict[str, Any], overwrite: bool = False, extra_tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
+    loaded: LoadedModel, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], config: QuantizeConfig,
+    work_dir: Path, report: dict[str, Any], overwrite: bool = False,
+    extra_tensor_files: ExtraFiles | Callable[[], ExtraFiles] | None = None,
 ) -> Path:
-    """Write the packed checkpoint, tokenizer, generation config and quant_report.json atomically."""
-    tensors = checkpoint_tensors(loaded.model, qweights, config)
-    kv_scales = vllm_kv_scales(loaded.model, config, (extra_tensor_files or {}).get(KV_STATS_FILE))
-    tensors.update(kv_scales)
-    for t in tensors.values():
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise ValueError("refusing to write a checkpoint with NaN or Inf values")
+    """Write the checkpoint tensors, tokenizer, generation config and quant_report.json atomically.
+
+    `tensors` may be (name, tensor) pairs produced while the shards are written (the streaming
+    pass); `extra_tensor_files` ({relative path: tensors}) may then be a function, called once they
+    are all consumed, for what the same pass gathered (KV statistics)."""
+    extra: ExtraFiles = {}
+    cfg = export_config(loaded, config)
+
+    def checked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"refusing to write a checkpoint with NaN or Inf values (in {name})")
+            yield name, t
+        extra.update((extra_tensor_files() if callable(extra_tensor_files) else extra_tensor_files) or {})
+        kv_scales = vllm_kv_scales(loaded.model, config, extra.get(KV_STATS_FILE))
+        if kv_scales:  # config.json is serialised after the tensors are consumed
+            cfg.update(export_config(loaded, config, kv_cache_scheme=True))
+        yield from kv_scales.items()
+
     writers = []
     if loaded.tokenizer_files:
         files = {p.name: p for p in loaded.tokenizer_files}
@@ -108,14 +149,16 @@ def write_export(
     gen = getattr(loaded.model, "generation_config", None)
     if gen is not None:
         writers.append(lambda d: gen.save_pretrained(str(d)))
-    for fname, tdict in (extra_tensor_files or {}).items():
-        def _write(d: Path, fname=fname, tdict=tdict) -> None:
-            from safetensors.torch import save_file
 
+    def write_extra(d: Path) -> None:
+        from safetensors.torch import save_file
+
+        for fname, tdict in extra.items():
             (d / fname).parent.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in tdict.items()}, str(d / fname))
-        writers.append(_write)
+
+    writers.append(write_extra)
     return write_checkpoint(
-        Path(work_dir), tensors, export_config(loaded, config, kv_cache_scheme=bool(kv_scales)), overwrite=overwrite,
-        files=files, json_files={"quant_report.json": report}, writers=writers,
+        Path(work_dir), checked(), cfg, overwrite=overwrite, files=files,
+        json_files={"quant_report.json": report}, writers=writers, shard_bytes=STREAM_SHARD_BYTES,
     )

@@ -1,7 +1,8 @@
 """The last step of a block: per linear, search its clip range, choose its integers, keep the result.
 
 The layer keeps the dequantized weight afterwards, so the next forward (and the in-memory model)
-computes what the checkpoint holds; the integer codes go back to the host as uint8.
+computes what the checkpoint holds; the integer codes stay on the block's device as uint8, where
+the export packs them.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def finalize_block(layer: torch.nn.Module, prefix: str, sets_stats: dict[tuple[s
                 entry["fallback"] = "non-finite weight: plain RTN of nan_to_num"
             lin = layer.get_submodule(name)
             lin.weight.data = qw.dequantize().to(lin.weight.dtype)
-            out[f"{prefix}.{name}"] = QuantizedWeight(qw.q.to(_codes_dtype(qw.bits)).cpu(), qw.zeros.cpu(),
-                                                      qw.scales.cpu(), qw.bits, qw.group_size)
+            out[f"{prefix}.{name}"] = QuantizedWeight(qw.q.to(_codes_dtype(qw.bits)), qw.zeros, qw.scales,
+                                                      qw.bits, qw.group_size)
             if entry:
                 report[name] = entry
     return out, report

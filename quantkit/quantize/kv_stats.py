@@ -97,33 +97,44 @@ def collect_kv_stats(model: torch.nn.Module, windows: torch.Tensor, progress: bo
     return observer.result(windows.shape[0])
 
 
-def kv_stats_for_export(model: torch.nn.Module, windows: Optional[torch.Tensor], report: dict[str, Any],
-                        progress: bool = True, max_windows: int = 16) -> dict[str, dict[str, torch.Tensor]]:
-    """`write_export`'s extra files for a quantization run: {FILE_NAME: tensors}, or {} when
-    there are no windows or the model can no longer run. Adds the summary to `report["kv_stats"]`.
+def _with_cache(kwargs: dict[str, Any], cache: Cache) -> dict[str, Any]:
+    """A decoder layer's recorded kwargs with `cache` where the layer takes its cache."""
+    kw = dict(kwargs)
+    key = next((k for k in ("past_key_values", "past_key_value", "cache") if k in kw), "past_key_values")
+    kw[key] = cache
+    return kw
 
-    At most `max_windows` windows are used: ranges settle quickly, and this is a full-model forward
-    on the model's device. On the CPU a half-precision model runs in float32 (cast back afterwards;
-    fp16/bf16 → fp32 → back is exact), as CPU half matmuls are slow.
-    """
-    if windows is None:
-        return {}
-    if any(p.numel() == 0 for p in model.parameters()):
-        log.info("KV statistics skipped: the model's weights were released during quantization")
-        return {}
-    first = next(model.parameters())
-    recast = first.device.type == "cpu" and first.dtype in (torch.float16, torch.bfloat16)
-    # Parameters only (buffers such as rotary frequencies keep their dtype), each restored exactly.
-    dtypes = {p: p.dtype for p in model.parameters()} if recast else {}
-    for p in dtypes:
-        p.data = p.data.float()
-    try:
-        stats = collect_kv_stats(model, windows[:max_windows], progress=progress)
-    finally:
-        for p, dt in dtypes.items():
-            p.data = p.data.to(dt)
-    report["kv_stats"] = stats.summary()
-    return {FILE_NAME: stats.to_tensors()}
+
+class BlockKVStats:
+    """KV statistics gathered during a block-by-block pass, with no second pass over the model.
+
+    The hidden states of a few calibration windows follow the quantized blocks (the model as the
+    checkpoint computes it): after each block is quantized, `advance` runs that block on them with
+    an observing cache, which records K (after rotary and any key norm) and V as attention hands
+    them to the cache: what `collect_kv_stats` records over the whole quantized model. On the
+    pass's device, in its activation dtype."""
+
+    def __init__(self, model: torch.nn.Module, spec, windows: torch.Tensor, device: torch.device,
+                 dtype: torch.dtype, batch_size: int) -> None:
+        from quantkit.quantize.calibration import capture_inputs
+
+        self.inputs = capture_inputs(model, spec, windows, batch_size, device, dtype)
+        self.observer = _RangeObserver()
+        self.observer.tokens = int(windows.numel())
+        self.windows = windows.shape[0]
+        self.num_layers = len(self.inputs.layer_kwargs)
+
+    @torch.no_grad()
+    def advance(self, index: int, layer: torch.nn.Module) -> None:
+        """Run block `index` (quantized) on the windows' hidden states, observing its K and V."""
+        from quantkit.quantize.calibration import call_layer
+
+        for j, (hidden, kwargs) in enumerate(self.inputs.batches(index)):
+            cache = _ObservingCache(self.observer, self.num_layers)
+            self.inputs.hidden[j] = call_layer(layer, hidden, _with_cache(kwargs, cache))
+
+    def result(self) -> KVStats:
+        return self.observer.result(self.windows)
 
 
 def _is_checkpoint(path: Path) -> bool:

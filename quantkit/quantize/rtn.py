@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from tqdm.auto import tqdm
 
@@ -52,3 +54,36 @@ def rtn_quantize(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig,
     for i, layer in enumerate(tqdm(layers, desc=f"RTN W{cfg.bits}", disable=not progress, unit="block")):
         out.update(quantize_block_linears(layer, spec, f"{spec.layers_path}.{i}", cfg))
     return out
+
+
+@torch.no_grad()
+def rtn_blocks(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig, device: torch.device,
+               dtype: torch.dtype, blocks=None, progress: bool = True) -> Iterator:
+    """Round-to-nearest, block by block on `device`, yielding each block as `awq_blocks` does.
+
+    Each block is moved to `device` in `dtype`, its linears quantized (the same arithmetic as
+    `quantize_block_linears`: float32 from the stored weights) and given their dequantized weights,
+    so a forward of the yielded block computes what the checkpoint holds; once the caller asks for
+    the next block, this one is released by `blocks` (default: back to the host)."""
+    from quantkit.models.lazy import BlockWeights
+    from quantkit.quantize.awq import QuantizedBlock
+
+    check_group_size(model, spec, cfg)
+    blocks = blocks or BlockWeights()
+    layers = decoder_layers(model, spec)
+    for i, layer in enumerate(tqdm(layers, desc=f"RTN W{cfg.bits}", disable=not progress, unit="block")):
+        prefix = f"{spec.layers_path}.{i}"
+        blocks.load(i, layer)
+        store_dtype = next(layer.parameters()).dtype
+        # Quantize from the stored weights, then move: the codes do not depend on `dtype`.
+        layer.to(device=device)
+        qweights = {}
+        for name in spec.linears:
+            lin = layer.get_submodule(name)
+            qw = quantize_weight(lin.weight.data.float(), cfg)
+            lin.weight.data = qw.dequantize().to(lin.weight.dtype)
+            qweights[f"{prefix}.{name}"] = qw
+        layer.to(dtype=dtype)
+        yield QuantizedBlock(i, prefix, layer, qweights)
+        del qweights
+        blocks.release(i, layer, store_dtype)
