@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from quantkit.config import UserError, build_config, load_recipe
+from quantkit.config import WRITABLE_BITS_DOC, UserError, build_config, check_device, load_recipe
 
 app = typer.Typer(
     help="Make LLMs small and fast: quantize Hugging Face checkpoints (RTN, int8, AWQ), evaluate and run them.",
@@ -48,7 +48,7 @@ def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Path | No
 def rtn(
     model: str = MODEL_ARG,
     work_dir: Path = WORK_DIR,
-    w_bits: int | None = typer.Option(None, "--w-bits", help="Bits per weight, 2–8 [default: 4]."),
+    w_bits: int | None = typer.Option(None, "--w-bits", help=f"Bits per weight: {WRITABLE_BITS_DOC} (default: 4)."),
     group_size: int | None = typer.Option(
         None, "--group-size", help="Inputs per scale: 32, 64, 128, or -1 per output channel [default: 128]. "
         "Must divide every layer's input dimension; otherwise the run is refused before any work."),
@@ -188,7 +188,7 @@ def compare(
     kv_bits: list[int] = KV_BITS,
     kv_scales: str = KV_SCALES,
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the table as Markdown here, and a PNG "
-                                       "bar chart of the perplexities beside it."),
+                                       "bar chart of the perplexities beside it (needs matplotlib)."),
     data_dir: str | None = DATA_DIR,
     device: str | None = DEVICE,
     as_json: bool = AS_JSON,
@@ -201,8 +201,8 @@ def compare(
     result = run_compare(fp_model, checkpoints, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, device,
                          output, progress=not (quiet or as_json))
     _print_result(result, as_json)
-    if output is not None and not as_json:
-        typer.echo(f"wrote {output} and {output.with_suffix('.png')}")
+    if result.written and not as_json:
+        typer.echo("wrote " + " and ".join(result.written))
 
 
 @app.command("kv-calibrate")
@@ -221,6 +221,7 @@ def kv_calibrate(
     """Record per layer and KV head the ranges of K (after rotary) and V, for static KV scales."""
     from quantkit.quantize.kv_stats import kv_calibrate as run_kv_calibrate
 
+    check_device(device)
     _setup_logging(quiet)
     stats, path = run_kv_calibrate(model, output, calib_dataset, calib_samples, calib_seqlen, seed, data_dir,
                                    device, progress=not quiet)
@@ -231,7 +232,7 @@ def kv_calibrate(
 def awq(
     model: str = MODEL_ARG,
     work_dir: Path = WORK_DIR,
-    w_bits: int | None = typer.Option(None, "--w-bits", help="Bits per weight, 2–8 (default: 4)."),
+    w_bits: int | None = typer.Option(None, "--w-bits", help=f"Bits per weight: {WRITABLE_BITS_DOC} (default: 4)."),
     group_size: int | None = typer.Option(
         None, "--group-size", help="Inputs per scale: 32, 64, 128 or -1 (default: 128); must divide every layer's input dimension."),
     calib_dataset: str | None = typer.Option(
@@ -264,15 +265,22 @@ def awq(
         "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None, "awq.rounding": rounding})
 
 
+INTERRUPTED = "interrupted; nothing was written"
+
+
 def main() -> None:
-    """Entry point: user errors become one line on stderr and exit code 2."""
+    """Entry point: user errors become one line on stderr and exit code 2; Ctrl-C one line and 130."""
     try:
         app()
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        typer.echo("interrupted; nothing was written", err=True)
+    except SystemExit as exc:
+        if exc.code == 130:  # typer turns KeyboardInterrupt inside a command into exit code 130 itself
+            typer.echo(INTERRUPTED, err=True)
+        raise
+    except KeyboardInterrupt:  # outside a command (while typer starts)
+        typer.echo(INTERRUPTED, err=True)
         sys.exit(130)
 
 

@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional, Union
 METHODS = ("rtn", "int8", "awq")
 FORMATS = ("awq", "compressed-tensors")
 GROUP_SIZES_DOC = "32, 64, 128 or -1 (one group per output channel)"
+# What each on-disk format can hold; the --w-bits help and its refusal say the same.
+WRITABLE_BITS_DOC = "4 (awq or compressed-tensors) or 8 (compressed-tensors)"
 
 
 class UserError(ValueError):
@@ -141,8 +143,10 @@ class QuantizeConfig:
             )
         if fmt == "compressed-tensors" and self.weight.bits not in (4, 8):
             raise ConfigError(
-                f"--w-bits {self.weight.bits} cannot be packed for vLLM: compressed-tensors takes 4 or 8 bits."
+                f"--w-bits {self.weight.bits} cannot be written: checkpoints hold {WRITABLE_BITS_DOC} bits; "
+                "use --w-bits 4 or 8."
             )
+        check_device(self.device)
 
     @property
     def resolved_format(self) -> str:
@@ -153,6 +157,28 @@ class QuantizeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_device(name: Optional[str]) -> None:
+    """Refuse a device this machine does not have (`--device cuda` without CUDA), before any work.
+    None means the default (CUDA when present, else the CPU), which is always there."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N.") from None
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None and torch.version.hip is None \
+            else "no GPU is visible"
+        raise ConfigError(f"--device {name}: this machine has no CUDA GPU ({why}); use --device cpu.")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}.")
 
 
 _NESTED = {"weight": WeightQuantConfig, "calib": CalibConfig, "awq": AWQConfig}

@@ -113,3 +113,86 @@ def test_awq_rounding_flag(tiny_models, text_file, tmp_path, monkeypatch, capsys
     assert code in (0, None)
     report = json.loads((out / "quant_report.json").read_text())
     assert report["config"]["awq"]["rounding"] == "nearest"
+
+
+def test_w_bits_help_and_refusal_say_what_can_be_written(tiny_models, tmp_path, monkeypatch, capsys):
+    help_text = subprocess.run([sys.executable, "-m", "quantkit.cli", "rtn", "--help"], capture_output=True, text=True,
+                               env={**__import__("os").environ, "COLUMNS": "200"}).stdout
+    assert "4 (awq or compressed-tensors) or 8 (compressed-tensors)" in help_text and "2–8" not in help_text
+    for fmt in ([], ["--format", "compressed-tensors"]):
+        code, _, err = run_cli(["rtn", str(tiny_models["llama"]), "--w-bits", "3", *fmt, "--work-dir", str(tmp_path / "o")],
+                               monkeypatch, capsys)
+        assert_one_line_error(code, err, "--w-bits 3 cannot be written", "use --w-bits 4 or 8")
+
+
+def test_cuda_without_cuda_is_one_line(tiny_models, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["awq", str(tiny_models["llama"]), "--device", "cuda", "--work-dir", str(tmp_path / "o")],
+                 ["eval", "ppl", str(tiny_models["llama"]), "--device", "cuda:1"],
+                 ["kv-calibrate", str(tiny_models["llama"]), "--device", "cuda", "-o", str(tmp_path / "s.safetensors")]):
+        code, _, err = run_cli(argv, monkeypatch, capsys)
+        assert_one_line_error(code, err, "no CUDA GPU", "--device cpu")
+    code, _, err = run_cli(["eval", "ppl", str(tiny_models["llama"]), "--device", "gpu"], monkeypatch, capsys)
+    assert_one_line_error(code, err, "'gpu' is not a device")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "short"])
+def test_calibration_text_refused_before_the_model_loads(case, tiny_models, tmp_path, monkeypatch, capsys):
+    from quantkit.quantize import api
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the calibration text was checked")
+
+    monkeypatch.setattr(api, "_load", no_load)
+    text = tmp_path / "calib.txt"
+    if case != "missing":
+        text.write_text("" if case == "empty" else "too short")
+    code, _, err = run_cli(["awq", str(tiny_models["llama"]), "--calib-dataset", str(text), "--calib-seqlen", "64",
+                            "--work-dir", str(tmp_path / "o")], monkeypatch, capsys)
+    needle = {"missing": "does not exist", "empty": "is empty", "short": "too few for one window of 64 tokens"}[case]
+    assert_one_line_error(code, err, needle)
+
+
+def test_broken_checkpoint_config_is_one_line(tiny_models, tmp_path, monkeypatch, capsys):
+    bad_json, bad_type = tmp_path / "bad_json", tmp_path / "bad_type"
+    for d in (bad_json, bad_type):
+        d.mkdir()
+    (bad_json / "config.json").write_text('{"model_type": "llama", ')
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    (bad_type / "config.json").write_text(json.dumps({"model_type": "nonsense", "quantization_config": qc}))
+    for argv, needle in ((["generate", str(bad_json), "hi"], "not valid JSON"),
+                         (["generate", str(bad_type), "hi"], "cannot be read by transformers"),
+                         (["compare", str(tiny_models["llama"]), str(bad_json), "--dataset", "pydoc"], "not valid JSON"),
+                         (["compare", str(tiny_models["llama"]), str(bad_type), "--dataset", "pydoc"], "nonsense")):
+        code, out, err = run_cli(argv, monkeypatch, capsys)
+        assert_one_line_error(code, err, needle)
+        assert "ppl" not in out  # refused before any evaluation
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    """SIGINT while a command runs: the one-line message, exit code 130, no traceback."""
+    import signal
+
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background\n"
+        "from quantkit import cli\n"
+        "@cli.app.command('wait')\n"
+        "def wait():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "sys.argv = ['quantkit', 'wait']\n"
+        "cli.main()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines() == ["interrupted; nothing was written"], err

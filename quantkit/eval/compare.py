@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from quantkit.config import KVQuantConfig
+from quantkit.config import KVQuantConfig, check_device
 from quantkit.data import evaluation_windows, load_text, tokenize_text
 from quantkit.eval.loading import EvalModel, load_for_eval, set_kv_cache
 from quantkit.eval.perplexity import perplexity_of_windows
@@ -49,6 +49,7 @@ class Comparison:
     seqlen: int
     windows: Optional[int]
     reference: Optional[str] = None
+    written: list[str] = field(default_factory=list)  # report files (compare's `output`): .md, and .png if drawn
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +98,7 @@ def evaluate_models(paths: Sequence[str | Path], datasets: Sequence[str] = ("ptb
     model at kv 16 is the reference that later rows are compared with (Δ %, top-1 agreement)."""
     for b in kv_bits:
         KVQuantConfig(b, kv_scales)  # refuse --kv-bits 3 before loading anything
+    check_device(device)
     from quantkit.models.loading import ModelLoadError
 
     for p in paths:
@@ -144,15 +146,17 @@ def compare(fp_model: str | Path, checkpoints: Sequence[str | Path], datasets: S
             kv_bits: Sequence[int] = (16,), kv_scales: str = "online", device: Optional[str] = None,
             output: Optional[str | Path] = None, progress: bool = True) -> Comparison:
     """Compare quantized checkpoints with their fp model; with `output` (a .md path) also write the
-    Markdown report and a PNG bar chart of the perplexities beside it."""
-    from quantkit.runtime.loader import read_quant_config
+    Markdown report and a PNG bar chart of the perplexities beside it (the chart only where matplotlib
+    is installed: `report.write_report`)."""
+    from quantkit.runtime.loader import model_config, read_quant_config
 
-    for c in checkpoints:
-        read_quant_config(Path(c))  # "X is not a quantized checkpoint …" before any evaluation
+    for c in checkpoints:  # "X is not a quantized checkpoint …", a broken config.json: before any evaluation
+        read_quant_config(Path(c))
+        model_config(Path(c))
     result = evaluate_models([fp_model, *checkpoints], datasets, seqlen, windows, data_dir, kv_bits, kv_scales,
                              None, device, progress, reference=True)
     if output is not None:
         from quantkit.eval.report import write_report
 
-        write_report(result, Path(output))
+        result.written = [str(p) for p in write_report(result, Path(output)) if p is not None]
     return result

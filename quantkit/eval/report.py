@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
 from quantkit.eval.compare import Comparison, ModelRow
+
+log = logging.getLogger(__name__)
+
+NO_CHART = "(No chart: matplotlib is not installed; `pip install matplotlib` adds it.)"
 
 
 def _group(row: ModelRow) -> str:
@@ -100,10 +105,19 @@ def plot_perplexity(result: Comparison, png: Path) -> Path:
     return png
 
 
-def write_report(result: Comparison, output: Path) -> tuple[Path, Path]:
-    """Write the Markdown report to `output` and its chart beside it (same name, .png)."""
+def write_report(result: Comparison, output: Path) -> tuple[Path, Optional[Path]]:
+    """Write the Markdown report to `output` and its chart beside it (same name, .png); returns both
+    paths. matplotlib is optional (`pip install matplotlib`, or the `demo` extra): without it the
+    report is written without the chart, says so, and the chart's path is None."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    png = plot_perplexity(result, output.with_suffix(".png"))
-    text = "# quantkit comparison\n\n" + markdown_table(result) + f"\n![perplexity]({png.name})\n"
-    output.write_text(text)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        png = None
+        log.warning("no chart: matplotlib is not installed (pip install matplotlib); wrote the table only")
+        chart = f"\n{NO_CHART}\n"
+    else:
+        png = plot_perplexity(result, output.with_suffix(".png"))
+        chart = f"\n![perplexity]({png.name})\n"
+    output.write_text("# quantkit comparison\n\n" + markdown_table(result) + chart)
     return output, png

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from quantkit.config import check_device
 from quantkit.formats.checkpoint import CheckpointError, read_safetensors
 from quantkit.formats.compressed_tensors import KV_SCALE_NAMES
 from quantkit.nn.quant_linear import QuantLinear
@@ -19,20 +20,57 @@ _MARKERS = {"qweight": "awq", "weight_packed": "packed"}
 
 
 def read_quant_config(path: Path) -> dict[str, Any]:
-    """config.json's quantization_config, or a CheckpointError saying the path is not a checkpoint."""
+    """config.json's quantization_config, or a CheckpointError saying why the path is not a checkpoint
+    quantkit can load (no config, invalid JSON, not quantized, an AWQ version or format it cannot run)."""
     cfg_file = path / "config.json"
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if not cfg_file.is_file():
         raise CheckpointError(f"{path} is not a quantkit checkpoint: it has no config.json")
-    cfg = json.loads(cfg_file.read_text())
-    qc = cfg.get("quantization_config")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({getattr(exc, 'msg', exc)}{where}): "
+                              "repair it or re-create the checkpoint") from None
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
     if not qc or qc.get("quant_method") not in ("awq", "compressed-tensors"):
         raise CheckpointError(
             f"{path} is not a quantized checkpoint (no awq or compressed-tensors quantization_config); "
             "quantize it first with `quantkit rtn|int8|awq`"
         )
+    _check_layout_supported(path, qc)
     return qc
+
+
+def _check_layout_supported(path: Path, qc: dict[str, Any]) -> None:
+    """Refuse the variants of both formats whose tensors QuantLinear would misread: AWQ versions other
+    than gemm (gemv, gemv_fast, marlin pack the words differently; a missing version is gemm, as in
+    AutoAWQ) or other bit widths, and compressed-tensors formats other than pack-quantized."""
+    if qc["quant_method"] == "awq":
+        version = str(qc.get("version", "gemm"))
+        if version.lower() != "gemm":
+            raise CheckpointError(f"{path}: AWQ version {version!r} is not supported, only 'gemm': re-quantize "
+                                  "with `quantkit awq` (or AutoAWQ with version='gemm')")
+        if int(qc.get("bits", 4)) != 4:
+            raise CheckpointError(f"{path}: AWQ with {qc['bits']} bits is not supported, only 4")
+    elif qc.get("format", "pack-quantized") != "pack-quantized":
+        raise CheckpointError(f"{path}: compressed-tensors format {qc['format']!r} is not supported, only "
+                              "'pack-quantized' (weight-only int4/int8): re-quantize with `quantkit rtn|int8|awq`")
+
+
+def model_config(path: Path):
+    """The checkpoint's transformers config without its quantization_config, or a one-line CheckpointError
+    (e.g. an unknown model_type) instead of transformers' traceback."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {exc}".splitlines()[0]) from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
 
 
 def _layout_params(qc: dict[str, Any]) -> tuple[int, int, bool]:
@@ -80,15 +118,14 @@ def load(
     use in the reference path, trading the memory saving for speed.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     qc = read_quant_config(path)
+    check_device(None if device is None else str(device))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    config = AutoConfig.from_pretrained(str(path))
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    config = model_config(path)
     sd = read_safetensors(path)
     # vLLM's fp8 KV scales (compressed-tensors kv_cache_scheme); this runtime reads quantkit/kv_stats.safetensors.
     sd = {k: v for k, v in sd.items() if k.rpartition(".")[2] not in KV_SCALE_NAMES}

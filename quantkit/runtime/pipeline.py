@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from quantkit.config import UserError
 from quantkit.runtime.decode import Sampling, fits_static_cache, generate, graphs_available
 
 
@@ -67,6 +68,7 @@ class Pipeline:
         tok.padding_side = "left"
         texts = [self._prompt_text(p) for p in prompts]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not self.use_chat)
+        check_context(self.model.config, enc["attention_mask"].sum(1).tolist(), cfg.max_new_tokens)
         device = next(self.model.parameters()).device
         enc = {k: v.to(device) for k, v in enc.items()}
         eos = set(_as_list(getattr(self.model.generation_config, "eos_token_id", None))) | {tok.eos_token_id}
@@ -100,6 +102,29 @@ class Pipeline:
             if s in text:
                 text, finish = text[: text.index(s)], "stop"
         return Response(text=text, prompt_tokens=int(mask.sum()), generated_tokens=len(ids), finish_reason=finish)
+
+
+def context_length(config: Any) -> Optional[int]:
+    """The most positions the model was built for (None where its config does not say)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(config: Any, prompt_tokens: Sequence[int], max_new_tokens: int) -> None:
+    """Refuse prompts that, with `max_new_tokens`, run past the model's context: beyond it the
+    positions were never trained, and generation would go on silently with degraded output."""
+    context = context_length(config)
+    if context is None:
+        return
+    for i, n in enumerate(prompt_tokens, 1):
+        if n >= context:
+            raise UserError(f"prompt {i} has {n} tokens, the model's context is {context}: shorten the prompt")
+        if n + max_new_tokens > context:
+            raise UserError(f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens} it would pass the "
+                            f"model's context of {context}: use --max-new-tokens {context - n} or less")
 
 
 def _as_list(x: Any) -> list:

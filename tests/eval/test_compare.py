@@ -92,3 +92,18 @@ def test_kv_calibrate_command(checkpoints, text_file, tmp_path, monkeypatch, cap
                              "--calib-samples", 2, "--calib-seqlen", 32, "-q", "--output", tmp_path / "s.safetensors")
     assert code == 0, err
     assert (tmp_path / "s.safetensors").is_file() and "64 tokens" in out
+
+
+def test_report_without_matplotlib(checkpoints, text_file, tmp_path, monkeypatch, capsys, caplog):
+    """matplotlib is optional: the Markdown report is written without the chart and says why."""
+    from quantkit.eval.report import NO_CHART
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
+    src, rtn, _ = checkpoints
+    out = tmp_path / "report.md"
+    code, stdout, err = run_cli(monkeypatch, capsys, "compare", src, rtn, "--dataset", text_file, "--seqlen", 64,
+                                "--windows", 1, "-q", "--output", out)
+    assert code == 0, err
+    assert "| rtn | rtn | 4 | 32 | fp |" in out.read_text() and NO_CHART in out.read_text()
+    assert not out.with_suffix(".png").exists()
+    assert f"wrote {out}\n" in stdout and "pip install matplotlib" in caplog.text

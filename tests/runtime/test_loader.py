@@ -81,3 +81,51 @@ def test_not_a_checkpoint(tiny_models, tmp_path):
         quantkit.load(tiny_models["llama"])
     with pytest.raises(CheckpointError, match="does not exist"):
         quantkit.load(tmp_path / "nothing")
+
+
+AWQ_QC = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+def config_dir(tmp_path, text):
+    d = tmp_path / "ckpt"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(text if isinstance(text, str) else json.dumps(text))
+    return d
+
+
+@pytest.mark.parametrize("qc,needle", [
+    ({**AWQ_QC, "version": "gemv"}, "AWQ version 'gemv' is not supported, only 'gemm'"),
+    ({**AWQ_QC, "version": "gemv_fast"}, "AWQ version 'gemv_fast' is not supported"),
+    ({**AWQ_QC, "bits": 3}, "AWQ with 3 bits is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "format 'float-quantized' is not supported"),
+])
+def test_layouts_it_cannot_run_are_refused_at_load(tmp_path, qc, needle):
+    d = config_dir(tmp_path, {"model_type": "llama", "quantization_config": qc})
+    with pytest.raises(CheckpointError, match=needle):
+        quantkit.load(d, device="cpu")
+
+
+def test_awq_gemm_in_any_case_or_unnamed_is_read(tmp_path):
+    from quantkit.runtime.loader import read_quant_config
+
+    for qc in ({**AWQ_QC, "version": "GEMM"}, {k: v for k, v in AWQ_QC.items() if k != "version"}):
+        assert read_quant_config(config_dir(tmp_path, {"quantization_config": qc}))["bits"] == 4
+
+
+def test_broken_config_json_is_one_error(tmp_path):
+    d = config_dir(tmp_path, '{"model_type": "llama",')
+    with pytest.raises(CheckpointError, match=r"config.json is not valid JSON \(.* at line 1\)"):
+        quantkit.load(d, device="cpu")
+    config_dir(tmp_path, {"model_type": "no-such-model", "quantization_config": AWQ_QC})
+    with pytest.raises(CheckpointError, match="cannot be read by transformers: .*no-such-model") as exc:
+        quantkit.load(d, device="cpu")
+    assert "\n" not in str(exc.value)
+
+
+def test_cuda_asked_without_cuda(tmp_path, monkeypatch):
+    from quantkit.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    d = config_dir(tmp_path, {"model_type": "llama", "quantization_config": AWQ_QC})
+    with pytest.raises(ConfigError, match="--device cuda: this machine has no CUDA GPU .* use --device cpu"):
+        quantkit.load(d, device="cuda")

@@ -39,3 +39,17 @@ def test_stop_string_cuts_text(pipe):
         stop = full.text[2:4]
         cut = pipe("the model", max_new_tokens=12, stop=[stop])[0]
         assert stop not in cut.text and cut.finish_reason == "stop"
+
+
+def test_prompt_past_the_context_is_refused(pipe):
+    from quantkit.config import UserError
+
+    context = pipe.model.config.max_position_embeddings
+    with pytest.raises(UserError, match=f"prompt 2 has .* tokens, the model's context is {context}"):
+        pipe(["hi", "the model " * context], max_new_tokens=1)
+    prompt = "the model " * 10
+    n = len(pipe.tokenizer(prompt)["input_ids"])
+    with pytest.raises(UserError, match=f"with --max-new-tokens {context - n + 1} .* use --max-new-tokens {context - n} or less"):
+        pipe(prompt, max_new_tokens=context - n + 1)
+    r = pipe(prompt, max_new_tokens=context - n)[0]  # up to the last position: accepted
+    assert r.prompt_tokens == n
