@@ -132,6 +132,10 @@ def internlm2_release(tmp_path_factory) -> Path:
     (src / "tokenizer_config.json").write_text(json.dumps(internlm2_tokenizer_config(sp), indent=2, ensure_ascii=False))
     for name in ("tokenization_internlm2.py", "tokenization_internlm2_fast.py", "modeling_internlm2.py"):
         (src / name).write_text(REMOTE_CODE)
+    # A chat turn ends with <|im_end|>: generation stops on it as on </s>.
+    im_end = sp.piece_to_id(PLACEHOLDERS[CHAT_TOKENS.index("<|im_end|>")])
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, im_end],
+                                                            "pad_token_id": 2}))
     return src
 
 
@@ -179,6 +183,8 @@ def test_internlm2_release_quantizes_and_loads_without_remote_code(internlm2_rel
     assert not list(export.rglob("*.py"))
     assert "auto_map" not in json.loads((export / "tokenizer_config.json").read_text())
     assert "auto_map" not in json.loads((export / "config.json").read_text())
+    im_end = next(int(i) for i, t in config["added_tokens_decoder"].items() if t["content"] == "<|im_end|>")
+    assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [2, im_end]
 
     # A fresh process, offline, with no terminal to answer a prompt: a request to run code fails there.
     child = """
