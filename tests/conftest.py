@@ -16,6 +16,10 @@ from tiny import (  # noqa: F401  (re-exported: tests may import helpers from co
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu; skipped without one, never run in CI)")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Directories of tiny random llama, mistral, qwen2, qwen3 and InternLM2-layout models."""

@@ -1,0 +1,40 @@
+"""GPU tests: `pytest -m gpu tests/gpu` on a machine with CUDA (skipped without; CI has no GPU).
+
+They run the compiled kernels, so the Triton interpreter must be off: tests/kernels/conftest.py turns
+it on for the whole session when tests/kernels is collected too, hence "run tests/gpu on its own".
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpu_checks import write_small_llama
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernels(monkeypatch):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 (tests/kernels/conftest.py sets it when collected): "
+                    "run `pytest -m gpu tests/gpu` on its own")
+    monkeypatch.delenv("QUANTKIT_KERNEL", raising=False)  # the default choice: Triton on CUDA
+
+
+@pytest.fixture(scope="session")
+def small_llama(tmp_path_factory) -> dict[str, Path]:
+    """The fp16 source and two checkpoints quantkit wrote from it: W4 g128 AWQ (RTN) and W8 per channel."""
+    import quantkit
+    from quantkit.config import QuantizeConfig, WeightQuantConfig
+
+    root = tmp_path_factory.mktemp("gpu_models")
+    source = write_small_llama(root / "fp16")
+    schemes = {
+        "w4g128": QuantizeConfig(method="rtn", weight=WeightQuantConfig(4, 128)),
+        "w8": QuantizeConfig(method="int8", weight=WeightQuantConfig(8, -1, True)),
+    }
+    out = {"fp16": source}
+    for name, config in schemes.items():
+        out[name] = quantkit.quantize(str(source), config, work_dir=root / name, progress=False).work_dir
+    return out
