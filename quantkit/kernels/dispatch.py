@@ -28,6 +28,7 @@ import triton
 
 from quantkit.kernels import gluon_gemm, triton_gemm, triton_gemv, triton_mma
 from quantkit.kernels.capture import capturing
+from quantkit.kernels.hardware import mma_capable
 from quantkit.kernels.launch import interpreted
 from quantkit.kernels.triton_layout import KernelWeights, from_module
 from quantkit.kernels.triton_mma import MmaWeights
@@ -262,6 +263,15 @@ def _has_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def takes_mma_layout(kw: KernelWeights, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a layer gets the mma layout (tensor-core GEMV, Gluon GEMM) rather than the block-planar
+    one: on an NVIDIA GPU of compute capability 8.0 or later (hardware.mma_capable; ROCm and older GPUs
+    reach this module only with QUANTKIT_KERNEL=triton) and not under the Triton interpreter, which
+    cannot run the GEMV's inline PTX, for a layer and activation dtype the kernel takes."""
+    return (device.type == "cuda" and not interpreted() and mma_capable(device)
+            and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype))
+
+
 def split_k_for(tiles: int, k_steps: int, device: torch.device, programs_per_sm: float) -> int:
     """Split K until the launch has about `programs_per_sm` programs per SM (at most 16, ≥ 2 steps each)."""
     want = programs_per_sm * _sm_count(device)
@@ -279,9 +289,9 @@ def kernel_weights(
 ) -> KernelWeights | MmaWeights:
     """The layer's weights in its kernel layout on `device`, made at the first call and kept on the layer.
 
-    The layout is the mma one on a CUDA GPU when the mma GEMV takes the layer with `dtype` activations,
-    else block-planar. The kernel layout holds the same bytes as the checkpoint tensors, so keeping
-    both would double the weight memory. With `offload` (default: on CUDA) the checkpoint tensors
+    The layout is the mma one where `takes_mma_layout` says so (an sm_80+ NVIDIA GPU and a layer the
+    mma GEMV takes with `dtype` activations), else block-planar. The kernel layout holds the same
+    bytes as the checkpoint tensors, so keeping both would double the weight memory. With `offload` (default: on CUDA) the checkpoint tensors
     move to host memory once the kernel layout exists: the state dict stays complete and the reference
     path still works (it dequantizes on the host), while the accelerator holds one copy of the weight.
     """
@@ -293,9 +303,7 @@ def kernel_weights(
         if ref.device != device:  # the checkpoint tensors were offloaded: repack them on `device`
             layer.to(device)
         kw = from_module(layer)
-        groups = kw.scales.shape[1]
-        if device.type == "cuda" and not interpreted() and triton_mma.supports(
-                kw.bits, kw.group_size, kw.in_features, groups, dtype):
+        if takes_mma_layout(kw, device, dtype):
             kw = triton_mma.from_kernel_weights(kw)
         layer._kernel_weights = kw
         if offload:

@@ -14,16 +14,18 @@ import torch
 from torch import nn
 
 from quantkit.kernels import reference
+from quantkit.kernels.hardware import mma_capable
 
 LAYOUTS = ("awq", "packed")
 
 
 def kernel_choice(device: torch.device) -> str:
-    """'triton' on CUDA (or when forced), else 'reference'; QUANTKIT_KERNEL=reference|triton forces one."""
+    """'triton' on an NVIDIA GPU of compute capability 8.0 or later (kernels.hardware), else 'reference'
+    (the dequantize path: ROCm, older GPUs, the CPU); QUANTKIT_KERNEL=reference|triton forces one."""
     forced = os.environ.get("QUANTKIT_KERNEL", "").strip().lower()
     if forced in ("reference", "triton"):
         return forced
-    return "triton" if device.type == "cuda" else "reference"
+    return "triton" if mma_capable(device) else "reference"
 
 
 class QuantLinear(nn.Module):

@@ -156,3 +156,39 @@ def test_cpu_layers_keep_the_block_planar_layout(monkeypatch):
     layer = QuantLinear(128, 32, 4, 128, layout="packed")
     kw = dispatch.kernel_weights(layer, torch.device("cpu"), offload=False)
     assert isinstance(kw, KernelWeights)  # the mma layout is only made for CUDA devices
+
+
+def test_triton_kernels_only_on_nvidia_sm80_and_later(monkeypatch, caplog):
+    """The tensor-core GEMV's inline PTX needs sm_80: older NVIDIA GPUs and ROCm take the dequantize
+    path (QuantLinear's torch reference); forced onto Triton there, layers keep the block-planar layout."""
+    from quantkit.kernels import hardware
+    from quantkit.kernels.triton_layout import pack_block_planar
+    from quantkit.nn.quant_linear import kernel_choice
+
+    monkeypatch.delenv("QUANTKIT_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "interpreted", lambda: False)
+    monkeypatch.setattr(hardware, "_logged", set())
+    q = torch.randint(0, 16, (64, 256))
+    kw = KernelWeights(pack_block_planar(q, 4), torch.ones(64, 2).half(), torch.zeros(64, 2, dtype=torch.uint8),
+                       4, 128, 256, 64)
+    cuda = torch.device("cuda", 0)
+    cases = [(None, (9, 0), True), (None, (8, 0), True), (None, (8, 9), True), (None, (7, 5), False),
+             (None, (7, 0), False), ("6.2.41134", (9, 4), False)]
+    for hip, capability, capable in cases:
+        monkeypatch.setattr(hardware, "_capable", {})
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+        assert hardware.mma_capable(cuda) == capable, (hip, capability)
+        assert kernel_choice(cuda) == ("triton" if capable else "reference")
+        assert dispatch.takes_mma_layout(kw, cuda, torch.float16) == capable
+    assert not hardware.mma_capable(torch.device("cpu"))
+    # one log line per kind of refusal, however many layers ask
+    monkeypatch.setattr(hardware, "_logged", set())
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="quantkit.kernels.hardware"):
+        for _ in range(3):
+            monkeypatch.setattr(hardware, "_capable", {})
+            hardware.mma_capable(cuda)
+    assert len(caplog.records) == 1 and "compute capability 7.5" in caplog.text

@@ -1,0 +1,46 @@
+"""Which accelerators quantkit's Triton kernels are for: NVIDIA GPUs of compute capability 8.0 or later.
+
+The tensor-core GEMV (triton_mma) is inline PTX around `mma.sync` m16n8k16 on fp16/bf16 operands,
+which NVIDIA added in sm_80, and Triton itself supports NVIDIA GPUs from 8.0. Elsewhere (ROCm, Volta,
+Turing) quantized linears take the dequantize path: the torch reference (quantkit.kernels.reference)
+dequantizes the weight and calls the platform's matrix product. The first refusal of each kind is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MIN_CAPABILITY = (8, 0)
+
+_capable: dict[int, bool] = {}  # by CUDA device index: asked once per device and process
+_logged: set[str] = set()
+
+
+def mma_capable(device: torch.device) -> bool:
+    """Whether `device` runs the Triton kernels and the tensor-core GEMV: an NVIDIA GPU of compute
+    capability 8.0 or later (not ROCm, where torch.version.hip is set)."""
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _capable:
+        _capable[index] = _check(index)
+    return _capable[index]
+
+
+def _check(index: int) -> bool:
+    if torch.version.hip is not None:
+        why = f"ROCm (HIP {torch.version.hip})"
+    else:
+        capability = tuple(torch.cuda.get_device_capability(index))
+        if capability >= MIN_CAPABILITY:
+            return True
+        why = f"compute capability {capability[0]}.{capability[1]}"
+    if why not in _logged:
+        _logged.add(why)
+        log.warning("quantized linears on cuda:%d, %s: the Triton kernels need an NVIDIA GPU of compute "
+                    "capability 8.0 or later; using the dequantize path (torch reference)", index, why)
+    return False
