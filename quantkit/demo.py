@@ -100,5 +100,6 @@ def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None
     pipe = Pipeline(model, tok)
     for prompt, resp in zip(DEMO_PROMPTS, pipe(DEMO_PROMPTS, max_new_tokens=32)):
         echo(f"\n> {prompt}\n{resp.text.strip()}")
-    echo(f"\ncheckpoint: {result.work_dir}   report: {report} (+ .png)   total time: {time.perf_counter() - t0:.0f}s")
+    echo(f"\ncheckpoint: {result.work_dir}   report: {' + '.join(comparison.written)}   "
+         f"total time: {time.perf_counter() - t0:.0f}s")
     return comparison
