@@ -166,7 +166,8 @@ def write_checkpoint(
             (tmp / name).write_text(json.dumps(data, indent=2, default=str))
         set_umask_modes(tmp)
         if work_dir.exists():
-            old = work_dir.with_name(tmp.name.replace(".tmp-", ".old-", 1))
+            prefix, _, writer = tmp.name.rpartition(".tmp-")
+            old = work_dir.with_name(f"{prefix}.old-{writer}")
             work_dir.rename(old)
             tmp.rename(work_dir)
             shutil.rmtree(old, ignore_errors=True)

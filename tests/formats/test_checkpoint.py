@@ -108,3 +108,11 @@ def test_modes_follow_the_umask(tmp_path, umask, dir_mode, file_mode):
     files = list(out.iterdir())
     assert len(files) == 5  # two shards, the index, config.json, r.json
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: file_mode for p in files}
+
+
+def test_overwrite_leaves_no_old_copy_even_for_odd_names(tmp_path):
+    target = tmp_path / "run.tmp-1"  # a target whose own name looks like a temporary one
+    write_checkpoint(target, tensors(), {"v": 1})
+    write_checkpoint(target, tensors(), {"v": 2}, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.tmp-1"]
+    assert json.loads((target / "config.json").read_text()) == {"v": 2}
