@@ -113,6 +113,7 @@ def test_awq_rounding_flag(tiny_models, text_file, tmp_path, monkeypatch, capsys
     assert code in (0, None)
     report = json.loads((out / "quant_report.json").read_text())
     assert report["config"]["awq"]["rounding"] == "nearest"
+    assert report["calibration"]["sampling"] == "distinct, non-overlapping"
 
 
 def test_w_bits_help_and_refusal_say_what_can_be_written(tiny_models, tmp_path, monkeypatch, capsys):
