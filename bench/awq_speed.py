@@ -12,8 +12,8 @@ exactly as typed by a user:
     quantkit int8 MODEL --work-dir OUT
 
 Measured per run: wall time of the subprocess; peak GPU memory (torch's allocator, from the run's
-quant_report.json); peak resident memory (the child's ru_maxrss from wait4) and, polled every 50 ms
-from /proc/PID/status, peak RssAnon (anonymous memory: what the process holds, not counting the
+quant_report.json); peak resident memory (the child's VmHWM, read from /proc/PID/status every 50 ms,
+so a peak in the last 50 ms before exit is missed) and, polled there too, peak RssAnon (anonymous memory: what the process holds, not counting the
 mapped pages of the source checkpoint, RssFile) — against the fp16 checkpoint's size on disk.
 A shape's checkpoint is deleted before the next shape is written.
 """
@@ -111,15 +111,15 @@ def run_watched(args: list[str], timeout: float) -> dict:
     tail: deque[str] = deque(maxlen=25)
     reader = threading.Thread(target=lambda: [tail.append(line.rstrip()[-300:]) for line in proc.stdout], daemon=True)
     reader.start()
-    peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
-    status, rusage = None, None
+    peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0, "VmHWM": 0}
+    status = None
     while status is None:
         for key, value in _status(proc.pid).items():
             if key in peak:
                 peak[key] = max(peak[key], value)
-        pid, code, ru = os.wait4(proc.pid, os.WNOHANG)
+        pid, code = os.waitpid(proc.pid, os.WNOHANG)
         if pid:
-            status, rusage = os.waitstatus_to_exitcode(code), ru
+            status = os.waitstatus_to_exitcode(code)
         elif time.perf_counter() - t0 > timeout:
             proc.kill()
         else:
@@ -127,8 +127,9 @@ def run_watched(args: list[str], timeout: float) -> dict:
     proc.returncode = status
     wall = time.perf_counter() - t0
     reader.join(timeout=5)
+    # VmHWM, not wait4's ru_maxrss: the latter keeps the peak of the forked parent from before exec.
     return {"command": "quantkit " + " ".join(args), "exit_code": status, "wall_s": round(wall, 1),
-            "peak_rss_gb": round(rusage.ru_maxrss * 1024 / GB, 2), "peak_rss_polled_gb": round(peak["VmRSS"] / GB, 2),
+            "peak_rss_gb": round(peak["VmHWM"] / GB, 2), "peak_rss_polled_gb": round(peak["VmRSS"] / GB, 2),
             "peak_rss_anon_gb": round(peak["RssAnon"] / GB, 2), "peak_rss_file_gb": round(peak["RssFile"] / GB, 2),
             "output_tail": list(tail)}
 

@@ -45,6 +45,19 @@ class QuantizeResult:
     tensors: dict = field(repr=False, default_factory=dict)
 
 
+def _peak_rss_gb() -> float:
+    """This process's peak resident memory: VmHWM where Linux gives it (ru_maxrss also counts, after
+    a fork and exec, the peak of the parent before the exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
 def _versions() -> dict[str, str]:
     import transformers
 
@@ -132,7 +145,7 @@ def quantize(
         timings.update({k: round(v, 3) for k, v in block_pass.seconds.items()})
         report["timings_s"] = timings
         report["versions"] = _versions()
-        report["peak_host_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+        report["peak_host_memory_gb"] = _peak_rss_gb()
         if torch.cuda.is_available():
             report["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1024**3
         report["wall_time_s"] = time.perf_counter() - t0

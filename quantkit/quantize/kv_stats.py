@@ -42,13 +42,13 @@ class _RangeObserver:
         if old is not None:
             for name, t in new.items():
                 new[name] = torch.minimum(old[name], t) if name.endswith("_min") else torch.maximum(old[name], t)
-        self.ranges[layer] = {name: t.cpu() for name, t in new.items()}
+        self.ranges[layer] = new  # on the states' device: no copy per call; `result` brings them to the host
 
     def result(self, windows: int) -> KVStats:
         if not self.ranges:
             raise RuntimeError("no attention layer reported K/V states: the model does not use a transformers Cache")
         layers = [self.ranges[i] for i in sorted(self.ranges)]
-        return KVStats(*(torch.stack([r[n] for r in layers]) for n in RANGE_NAMES), self.tokens, windows)
+        return KVStats(*(torch.stack([r[n].cpu() for r in layers]) for n in RANGE_NAMES), self.tokens, windows)
 
 
 class _ObservingLayer(CacheLayerMixin):
