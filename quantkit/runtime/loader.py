@@ -145,6 +145,12 @@ def load(
         for module in model.modules():
             if isinstance(module, QuantLinear):
                 module.cache_dequantized = True
+    if (path / "generation_config.json").is_file():
+        # The export's EOS list (e.g. a chat model's end-of-turn token) and sampling defaults;
+        # from_config alone would leave only the config's single eos_token_id.
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
     log.info("loaded %s: %d quantized linears on %s", path, n, device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if kv_bits is not None and kv_bits != 16:

@@ -195,7 +195,7 @@ import quantkit
 export, text, messages = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 ids = lambda out: out if isinstance(out, list) else out["input_ids"]
 tok = AutoTokenizer.from_pretrained(export)
-_, loaded_tok = quantkit.load(export, device="cpu")
+loaded_model, loaded_tok = quantkit.load(export, device="cpu")
 plain = tok(text)["input_ids"]
 print(json.dumps({
     "chat_text": tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
@@ -203,6 +203,7 @@ print(json.dumps({
     "load_chat_ids": ids(loaded_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)),
     "plain_ids": plain, "load_plain_ids": loaded_tok(text)["input_ids"],
     "decoded": tok.decode(plain, skip_special_tokens=True),
+    "eos": loaded_model.generation_config.eos_token_id,
     "remote_modules": [m for m in sys.modules if m.startswith(("transformers_modules", "tokenization_internlm2"))],
 }))
 """
@@ -223,6 +224,7 @@ print(json.dumps({
     assert got["plain_ids"] == got["load_plain_ids"] == want_plain
     assert got["decoded"] == text
     assert got["remote_modules"] == []
+    assert got["eos"] == [2, im_end]  # quantkit.load keeps the export's EOS list: chat stops at <|im_end|>
 
 
 def test_remote_tokenizer_without_sentencepiece_model_is_refused(internlm2_release, tmp_path):
