@@ -43,8 +43,10 @@ class TensorReader:
                         self.file_of[name] = f
             return
         for f in sorted(self.path.glob("pytorch_model*.bin")):
-            # mmap=True: the tensors are views of the file, read when touched.
-            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            try:  # mmap=True: the tensors are views of the file, read when touched
+                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (pre-zip) format cannot be mapped: read whole
+                sd = torch.load(f, map_location="cpu", weights_only=True)
             self._bins[f] = sd
             for name in sd:
                 self.file_of[name] = f
@@ -53,6 +55,16 @@ class TensorReader:
 
     def names(self) -> list[str]:
         return list(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from the file's header (no data read)."""
+        f = self.file_of[name]
+        if f in self._bins:
+            return tuple(self._bins[f][name].shape)
+        from safetensors import safe_open
+
+        with safe_open(str(f), "pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The named tensors; each safetensors file is opened once per call and closed after."""
@@ -141,7 +153,7 @@ def build_lazy_model(config, reader: TensorReader, layers_path: str, dtype: torc
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    convert = convert or (lambda sd: sd)
+    convert_given, convert = convert, convert or (lambda sd: sd)
     block_prefix = f"{layers_path}."
     stem = convert(reader.read(n for n in reader.names() if not n.startswith(block_prefix)))
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -160,6 +172,13 @@ def build_lazy_model(config, reader: TensorReader, layers_path: str, dtype: torc
     if generation_dir is not None and (Path(generation_dir) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(generation_dir))
     blocks = LazyBlocks(reader, layers_path, dtype, convert)
+    if convert_given is None:  # names map one to one: check every block now, not when the pass reaches it
+        expected = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith(block_prefix)}
+        found = {n: reader.shape(n) for n in reader.names() if n.startswith(block_prefix)}
+        if expected != found:
+            wrong = sorted(n for n in expected.keys() | found.keys() if expected.get(n) != found.get(n))
+            raise WeightsMismatch(f"{reader.path}: the checkpoint's decoder blocks do not match its config.json "
+                                  f"({len(wrong)} tensors differ in name or shape, e.g. {wrong[:2]})")
     return model.eval(), blocks
 
 
