@@ -5,7 +5,10 @@ statistics (mean |x| and Gram matrices for each set of linears sharing an input)
 modules' inputs on the search windows; then per registry group: search scales, fold them; then per
 linear (finalize.py): search the clip range, choose the integers (nearest, or error feedback through
 the Gram matrix: `rounding="gptq"`, the default), and put the dequantized weight back, so the
-in-memory model computes what the checkpoint holds. The block's outputs become the next block's inputs.
+in-memory model computes what the checkpoint holds. `awq_blocks` then hands the block to its caller
+(stream.py packs it there, on the device) and, once asked for the next one, propagates and releases
+it (`BlockWeights`: back to the host, or dropped when it was read from the checkpoint's files for
+this pass). The block's outputs become the next block's inputs.
 
 Which outputs: with `propagate="quantized"` (default) the next block sees what the already
 quantized blocks produce, so its statistics, searches and error feedback account for the error the
@@ -19,7 +22,6 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -32,7 +34,7 @@ from quantkit.quantize.calibration import InputStats, call_layer, call_module, c
 from quantkit.quantize.finalize import finalize_block
 from quantkit.quantize.folding import fold_scales, head_tying, identity, output_channels
 from quantkit.quantize.primitives import QuantizedWeight
-from quantkit.quantize.rtn import check_group_size, decoder_layers
+from quantkit.quantize.rtn import QuantizedBlock, check_group_size, decoder_layers
 from quantkit.quantize.search import candidate_scales, search_scales, weight_magnitude
 
 log = logging.getLogger(__name__)
@@ -156,17 +158,6 @@ def _empty_stats(layer, spec: ArchSpec, config: QuantizeConfig, device: torch.de
         out[names] = InputStats.empty(lin.in_features, config.weight.effective_group_size(lin.in_features),
                                       device, gram)
     return out
-
-
-@dataclass
-class QuantizedBlock:
-    """A decoder block just quantized: on the pass's device, its linears holding their dequantized
-    weights, `qweights` ({full module name: QuantizedWeight}) its codes on the same device."""
-
-    index: int
-    prefix: str
-    layer: torch.nn.Module
-    qweights: dict[str, QuantizedWeight]
 
 
 def awq_blocks(

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from quantkit.config import WeightQuantConfig
+from quantkit.models.lazy import BlockWeights
 from quantkit.models.registry import ArchSpec
 from quantkit.quantize.primitives import (
     GroupSizeError,
     QuantizedWeight,
     quantize_weight,
 )
+
+
+@dataclass
+class QuantizedBlock:
+    """A decoder block just quantized (by `rtn_blocks` or `awq_blocks`): on the pass's device, its
+    linears holding their dequantized weights; `qweights` ({full module name: QuantizedWeight}) are
+    its codes on the same device."""
+
+    index: int
+    prefix: str
+    layer: torch.nn.Module
+    qweights: dict[str, QuantizedWeight]
 
 
 def decoder_layers(model: torch.nn.Module, spec: ArchSpec) -> torch.nn.ModuleList:
@@ -58,16 +72,13 @@ def rtn_quantize(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig,
 
 @torch.no_grad()
 def rtn_blocks(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig, device: torch.device,
-               dtype: torch.dtype, blocks=None, progress: bool = True) -> Iterator:
+               dtype: torch.dtype, blocks: Optional[BlockWeights] = None, progress: bool = True) -> Iterator[QuantizedBlock]:
     """Round-to-nearest, block by block on `device`, yielding each block as `awq_blocks` does.
 
     Each block is moved to `device` in `dtype`, its linears quantized (the same arithmetic as
     `quantize_block_linears`: float32 from the stored weights) and given their dequantized weights,
     so a forward of the yielded block computes what the checkpoint holds; once the caller asks for
     the next block, this one is released by `blocks` (default: back to the host)."""
-    from quantkit.models.lazy import BlockWeights
-    from quantkit.quantize.awq import QuantizedBlock
-
     check_group_size(model, spec, cfg)
     blocks = blocks or BlockWeights()
     layers = decoder_layers(model, spec)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import time
 from typing import Any, Iterator, Optional
 
@@ -30,15 +31,21 @@ from quantkit.quantize.rtn import rtn_blocks
 Named = tuple[str, torch.Tensor]
 
 
+@functools.lru_cache(maxsize=1)
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def _return_freed_host_memory() -> None:
     """Hand freed heap pages back to the system (glibc keeps them otherwise): packed tensors of
     a few MB each come and go every block, and a kept heap would grow the resident size block by block."""
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
 
 
 class BlockPass:
