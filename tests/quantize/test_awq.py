@@ -18,15 +18,6 @@ from quantkit.quantize import awq as awq_mod
 from quantkit.quantize.folding import HeadTying, fold_scales
 from tiny import make_tiny_model
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster than two, and far faster when the cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 FAST = {"awq.n_grid": 8, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32}
 
 

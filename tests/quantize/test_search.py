@@ -21,14 +21,6 @@ W4G32 = WeightQuantConfig(4, 32)
 HIDDEN, OUT, TOKENS, LOUD = 128, 96, 512, (7, 40, 77, 101)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def norm_group(seed: int):
     """(RMSNorm whose weight makes channels LOUD 30x larger, two linears it feeds, search x, held-out x)."""
     g = torch.Generator().manual_seed(seed)

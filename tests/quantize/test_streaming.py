@@ -23,14 +23,6 @@ AWQ_FAST = {"awq.n_grid": 4, "awq.search_tokens": 64, "calib.batch_size": 4, "we
             "calib.samples": 8, "calib.seqlen": 32}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def windows(n: int = 8, seqlen: int = 32, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 300, (n, seqlen), generator=torch.Generator().manual_seed(seed))
 
