@@ -1,0 +1,227 @@
+"""The paged KV cache of one decoder layer, and the torch reference of what reads and writes it.
+
+A layer's cache is a pool of fixed-size blocks; a sequence owns a list of them (its block table), and
+its token i lives at slot = block_table[i // block_size] * block_size + i % block_size. K and V are
+stored as the model's dtype (bits 16) or as integer codes (bits 8 or 4) with one fp16 scale and one
+uint8 zero per token per head beside them, asymmetric as lmdeploy's quant_policy 8/4: a code
+q = clamp(round(x / s) + z, 0, 2^b − 1) reads back as (q − z) · s. Int4 codes are packed two per byte
+along head_dim, the low nibble holding the even channel.
+
+Each public function runs the Triton kernels (kernels/triton_paged.py) on an NVIDIA GPU of compute
+capability 8.0 or later and this module's torch code elsewhere; QUANTKIT_KERNEL=reference|triton
+forces one (with TRITON_INTERPRET=1, "triton" runs the kernels on the CPU through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quantkit.config import UserError
+from quantkit.kernels.hardware import mma_capable
+
+BITS = (16, 8, 4)
+QMAX = {8: 255, 4: 15}
+# The smallest normal fp16 number: smaller scales would lose relative precision as subnormals.
+MIN_SCALE = 2.0**-14
+
+
+@dataclass
+class PagedKV:
+    """One decoder layer's cache; see the module docstring for the layout."""
+
+    k: Tensor  # bits 16: [num_blocks, block_size, kv_heads, head_dim] model dtype; 8: uint8 same; 4: uint8 head_dim/2
+    v: Tensor
+    k_scale: Optional[Tensor]  # bits 8/4: fp16 [num_blocks, block_size, kv_heads]; None for 16
+    k_zero: Optional[Tensor]  # bits 8/4: uint8 [num_blocks, block_size, kv_heads]
+    v_scale: Optional[Tensor]
+    v_zero: Optional[Tensor]
+    bits: int
+
+    @staticmethod
+    def allocate(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, bits: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "PagedKV":
+        """A zeroed pool (zeros, so that a slot never written holds finite numbers)."""
+        check_bits(bits, head_dim)
+        code_dim = head_dim // 2 if bits == 4 else head_dim
+        code_dtype = dtype if bits == 16 else torch.uint8
+        shape = (num_blocks, block_size, kv_heads)
+
+        def codes() -> Tensor:
+            return torch.zeros(*shape, code_dim, dtype=code_dtype, device=device)
+
+        if bits == 16:
+            return PagedKV(codes(), codes(), None, None, None, None, 16)
+        scale = lambda: torch.zeros(shape, dtype=torch.float16, device=device)  # noqa: E731
+        zero = lambda: torch.zeros(shape, dtype=torch.uint8, device=device)  # noqa: E731
+        return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits)
+
+    @staticmethod
+    def bytes_per_token(kv_heads: int, head_dim: int, bits: int, dtype: torch.dtype) -> int:
+        """Bytes one token takes in one layer: K and V codes, plus an fp16 scale and a uint8 zero each."""
+        check_bits(bits, head_dim)
+        if bits == 16:
+            return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * kv_heads * (head_dim * bits // 8 + 3)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3] * 2 if self.bits == 4 else self.k.shape[3]
+
+
+def check_bits(bits: int, head_dim: int) -> None:
+    if bits not in BITS:
+        raise UserError(f"kv_bits {bits} is not supported: choose 16 (the model's dtype), 8 or 4.")
+    if bits == 4 and head_dim % 2:
+        raise UserError(f"kv_bits 4 packs two channels per byte, but head_dim is {head_dim} (odd): use kv_bits 8.")
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton kernels run: QUANTKIT_KERNEL=triton|reference decides if set, else an NVIDIA
+    GPU of compute capability 8.0 or later (kernels.hardware) does. TRITON_INTERPRET alone does not
+    switch: the kernel tests set it for a whole pytest session, where the engine's own tests should
+    keep the reference."""
+    forced = os.environ.get("QUANTKIT_KERNEL", "").strip().lower()
+    if forced in ("reference", "triton"):
+        return forced == "triton"
+    return mma_capable(device)
+
+
+# ---- quantization (the same arithmetic as runtime/kv_quant.quantize_per_token, which kernels/ may not import)
+
+def quantize_per_token(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes of x [..., D] with one scale and zero per row: (q uint8 [..., D], scale fp16 [...], zero uint8 [...]).
+
+    The range always includes 0, so the zero is an integer code; the scale is rounded *up* to fp16
+    (grown by 2^-10 before rounding to nearest) so that the stored scale still spans the range."""
+    qmax = QMAX[bits]
+    xf = x.float()
+    lo, hi = xf.amin(-1).clamp(max=0), xf.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / qmax).clamp_min(MIN_SCALE)
+    scale = (scale * (1 + 2.0**-10)).half().float()
+    zero = torch.round(-lo / scale).clamp(0, qmax)
+    q = (torch.round(xf / scale[..., None]) + zero[..., None]).clamp_(0, qmax).to(torch.uint8)
+    return q, scale.half(), zero.to(torch.uint8)
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """Two 4-bit codes per byte along the last dim: low nibble = even index."""
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(p: Tensor) -> Tensor:
+    return torch.stack((p & 0x0F, p >> 4), dim=-1).flatten(-2)
+
+
+def dequantize(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
+    """(q − z) · s in `dtype` for codes [..., D or D/2] and scale, zero [...]."""
+    q = unpack_int4(codes) if bits == 4 else codes
+    return ((q.float() - zero.float()[..., None]) * scale.float()[..., None]).to(dtype)
+
+
+# ---- write and gather
+
+def write_kv(cache: PagedKV, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Store k, v [T, kv_heads, head_dim] at slots slot_mapping [T] (int64; entries < 0 are skipped)."""
+    if use_triton(k.device):
+        from quantkit.kernels import triton_paged
+
+        return triton_paged.write_kv(cache, k, v, slot_mapping)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    for x, codes, scale, zero in ((k, cache.k, cache.k_scale, cache.k_zero), (v, cache.v, cache.v_scale, cache.v_zero)):
+        x = x[valid]
+        flat = codes.view(-1, *codes.shape[2:])
+        if cache.bits == 16:
+            flat[slots] = x.to(codes.dtype)
+            continue
+        q, s, z = quantize_per_token(x, cache.bits)
+        flat[slots] = pack_int4(q) if cache.bits == 4 else q
+        scale.view(-1, scale.shape[2])[slots] = s
+        zero.view(-1, zero.shape[2])[slots] = z
+
+
+def _read(cache: PagedKV, which: str, blocks: Tensor, dtype: torch.dtype) -> Tensor:
+    """Blocks [...] of K or V dequantized: [..., block_size, kv_heads, head_dim]."""
+    codes = getattr(cache, which)[blocks]
+    if cache.bits == 16:
+        return codes.to(dtype)
+    scale, zero = getattr(cache, which + "_scale")[blocks], getattr(cache, which + "_zero")[blocks]
+    return dequantize(codes, scale, zero, cache.bits, dtype)
+
+
+def gather_kv(cache: PagedKV, block_table: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One sequence's first `length` tokens, dequantized to `dtype`: k, v [length, kv_heads, head_dim]."""
+    blocks = block_table[: math.ceil(length / cache.block_size)].long()
+    k, v = (_read(cache, w, blocks, dtype).flatten(0, 1)[:length] for w in ("k", "v"))
+    return k, v
+
+
+# ---- attention
+
+def paged_decode_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, context_lens: Tensor,
+                           sm_scale: float) -> Tensor:
+    """Attention of one query token per sequence, q [B, heads, head_dim], over its context_lens[b] cached
+    tokens (its own K/V already written); block_tables [B, max_blocks] int32 (entries past the context
+    are never read). GQA: query head h reads kv head h // (heads // kv_heads). Returns [B, heads, head_dim]."""
+    if use_triton(q.device):
+        from quantkit.kernels import triton_paged
+
+        return triton_paged.paged_decode_attention(q, cache, block_tables, context_lens, sm_scale)
+    b, heads, d = q.shape
+    group = heads // cache.kv_heads
+    max_len = int(context_lens.max())
+    blocks = block_tables[:, : math.ceil(max_len / cache.block_size)].long().clamp(0, cache.num_blocks - 1)
+    # [B, L, kv_heads, D] with L the longest context; positions past a sequence's own length are masked
+    k, v = (_read(cache, w, blocks, q.dtype).flatten(1, 2)[:, :max_len].float() for w in ("k", "v"))
+    qg = q.float().view(b, cache.kv_heads, group, d)
+    past = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None].to(q.device)
+    v = v.masked_fill(past[:, :, None, None], 0.0)  # slots never written may hold anything, NaN included
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
+    scores.masked_fill_(past[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), v)
+    return out.reshape(b, heads, d).to(q.dtype)
+
+
+def paged_prefill_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, context_lens: Tensor,
+                            query_start: Tensor, sm_scale: float) -> Tensor:
+    """Causal attention of several sequences' new tokens, q [T, heads, head_dim] packed by query_start
+    [B+1] (cumulative): sequence b's queries are the last query_start[b+1] − query_start[b] of its
+    context_lens[b] cached tokens (a cached prefix, then the new ones). Gather + SDPA per sequence."""
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], cache.kv_heads
+    starts, lens = query_start.tolist(), context_lens.tolist()
+    for b, length in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        k, v = gather_kv(cache, block_tables[b], length, q.dtype)
+        if heads != kv_heads:
+            k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        qb, k, v = q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, D]
+        n = e - s
+        if n == length:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale)
+        else:  # query i sits at position length − n + i: bottom-right aligned causal mask
+            mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
