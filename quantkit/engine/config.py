@@ -1,0 +1,147 @@
+"""What the engine is built with (EngineConfig) and what one request asks for (SamplingParams)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from quantkit.config import ConfigError
+
+KV_BITS = (16, 8, 4)
+
+
+@dataclass
+class EngineConfig:
+    """How the engine sizes its KV pool and batches its steps.
+
+    `cache_max_entry_count` is lmdeploy's: the fraction of GPU memory left after the weights and a warm-up
+    that the KV pool takes. On the CPU the pool holds `num_kv_tokens` tokens (8192 when unset); set it on
+    CUDA to fix the pool's size instead of taking a fraction.
+    """
+
+    kv_bits: int = 16
+    block_size: int = 16
+    cache_max_entry_count: float = 0.8
+    num_kv_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None
+    device: Optional[str] = None
+    dtype: Optional[Any] = None
+    cuda_graphs: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kv_bits not in KV_BITS:
+            raise ConfigError(f"--kv-bits {self.kv_bits} is not supported: choose 16, 8 or 4.")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size {self.block_size} must be ≥ 1 (16 is usual).")
+        if not 0 < self.cache_max_entry_count <= 1:
+            raise ConfigError(f"--cache-max-entry-count {self.cache_max_entry_count} must be in (0, 1], "
+                              "the fraction of free GPU memory the KV cache takes (0.8 is usual).")
+        if self.num_kv_tokens is not None and self.num_kv_tokens < self.block_size:
+            raise ConfigError(f"num_kv_tokens {self.num_kv_tokens} is smaller than one block "
+                              f"({self.block_size} tokens): raise it.")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be ≥ 1.")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len {self.max_model_len} must be ≥ 2 tokens (or unset).")
+
+
+# The built-in value of each field that a model's generation_config.json may set instead.
+SAMPLING_DEFAULTS = dict(max_tokens=256, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+# SamplingParams field ← GenerationConfig attribute.
+FROM_GENERATION_CONFIG = dict(max_tokens="max_new_tokens", temperature="temperature", top_p="top_p", top_k="top_k",
+                              min_p="min_p", repetition_penalty="repetition_penalty")
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling settings. Fields left None take the model's generation_config.json values,
+    then the built-in ones (`SAMPLING_DEFAULTS`): see `with_defaults`.
+
+    temperature 0 is greedy. top_k 0 and top_p 1 are off. min_p drops tokens whose probability is below
+    min_p × the most likely token's. repetition_penalty (HF's) divides positive / multiplies negative logits
+    of every token of the prompt and the output; presence and frequency penalties (OpenAI's) subtract from
+    the logits of tokens in the output once, or once per occurrence. `stop` strings end the generation and
+    are not part of its text. `logprobs` k returns the chosen token's log-probability and the k most likely
+    (0: the chosen only). `eos_token_ids` are the model's end tokens (filled from the generation config);
+    they stop generation unless `ignore_eos`, while `stop_token_ids` always do.
+    """
+
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    eos_token_ids: Optional[list[int]] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def is_resolved(self) -> bool:
+        return all(getattr(self, name) is not None for name in SAMPLING_DEFAULTS) and self.eos_token_ids is not None
+
+    def with_defaults(self, generation_config: Any = None, eos_token_id: Any = None) -> "SamplingParams":
+        """A copy with every unset field filled: from `generation_config` (a transformers GenerationConfig,
+        a dict of its fields, or None) where it sets the field, else the built-in default. The config's
+        eos_token_id (int or list; else `eos_token_id`, e.g. the tokenizer's) becomes `eos_token_ids`.
+
+        A config that says do_sample false makes the default greedy (temperature 0), as transformers'
+        `generate` would decode that model.
+        """
+        gen = _as_dict(generation_config)
+        filled: dict[str, Any] = {}
+        for name, default in SAMPLING_DEFAULTS.items():
+            if getattr(self, name) is not None:
+                continue
+            value = gen.get(FROM_GENERATION_CONFIG[name])
+            if name == "temperature" and gen.get("do_sample") is False:
+                value = 0.0
+            filled[name] = default if value is None else type(default)(value)
+        if self.eos_token_ids is None:
+            eos = gen.get("eos_token_id")
+            if eos is None:
+                eos = eos_token_id
+            filled["eos_token_ids"] = [] if eos is None else [int(t) for t in ([eos] if isinstance(eos, int) else eos)]
+        out = dataclasses.replace(self, **filled)
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        """One-line errors for settings no sampler can honour."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"max_tokens {self.max_tokens} must be ≥ 1.")
+        if self.temperature is not None and self.temperature < 0:
+            raise ConfigError(f"temperature {self.temperature} must be ≥ 0 (0 is greedy).")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p {self.top_p} must be in (0, 1] (1 turns it off).")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"top_k {self.top_k} must be ≥ 0 (0 turns it off).")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p {self.min_p} must be in [0, 1] (0 turns it off).")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 turns it off).")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ConfigError(f"logprobs {self.logprobs} must be ≥ 0 (0: the chosen token's only).")
+
+
+def _as_dict(generation_config: Any) -> dict:
+    if generation_config is None:
+        return {}
+    if isinstance(generation_config, dict):
+        return generation_config
+    return {k: v for k, v in vars(generation_config).items() if not k.startswith("_")}
