@@ -1,0 +1,101 @@
+"""The decoder's small layers: RMSNorm, rotary embedding (with the config's scaling) and SiLU·mul.
+
+The rotary embedding keeps one table `cos_sin` [positions, rotary_dim] (the cos and sin halves side
+by side, transformers' `attention_scaling` folded in) that a position indexes, so the decode step
+reads rows of a fixed tensor (CUDA-graph safe). Dynamic NTK scaling depends on how long the sequence
+is, not only on the position, so its rows are computed per token from the sequence's length at this
+step — what transformers does when it runs one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantkit.config import UserError
+from quantkit.kernels import fused
+
+# RoPE variants whose frequencies depend on the position only (one table serves every sequence).
+_TABLE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) · w (fp32 inside); with `residual`, adds it first and returns (y, x + residual)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return fused.rms_norm(x, self.weight, self.eps, residual)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return fused.silu_mul(gate_up)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope parameters in transformers' standard form (rope_type, rope_theta, factor, …)."""
+    config.standardize_rope_params()
+    params = dict(config.rope_parameters or {})
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def inverse_frequencies(config: Any, seq_len: torch.Tensor | None = None, device=None) -> tuple[torch.Tensor, float, int]:
+    """inv_freq [rotary_dim/2] (or [N, rotary_dim/2] for a [N, 1] `seq_len` under dynamic scaling),
+    attention scaling, rotary_dim — from transformers' own rope functions, so every scaling variant
+    means what it means there."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        return inv_freq, 1.0, rotary_dim
+    if rope_type not in _TABLE_TYPES + ("dynamic",):
+        raise UserError(f"rope type {rope_type!r} is not supported by the engine; supported: "
+                        f"{', '.join(_TABLE_TYPES + ('dynamic',))} (use quantkit.load for this model)")
+    kwargs = {"seq_len": seq_len} if seq_len is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, **kwargs)
+    return inv_freq.float(), float(scaling), rotary_dim
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    freqs = positions.float()[:, None] * inv_freq
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k in place on their first `rotary_dim` channels (transformers' rotate_half layout)."""
+
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.dynamic = rope_parameters(config)["rope_type"] == "dynamic"
+        inv_freq, scaling, self.rotary_dim = inverse_frequencies(config)
+        self.register_buffer(
+            "cos_sin", _cos_sin(torch.arange(max_positions), inv_freq, scaling), persistent=False
+        )
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                seq_lens: torch.Tensor | None = None) -> None:
+        """q [T, heads, D], k [T, kv_heads, D]; `seq_lens` [T]: the length of each token's sequence
+        at this step (read by dynamic scaling only)."""
+        if not self.dynamic:
+            fused.apply_rope_(q, k, positions, self.cos_sin, self.rotary_dim)
+            return
+        if seq_lens is None:
+            raise ValueError("dynamic rope scaling needs each token's sequence length")
+        inv_freq, scaling, _ = inverse_frequencies(self.config, seq_lens.to(torch.float)[:, None], positions.device)
+        freqs = positions.float()[:, None] * inv_freq
+        cos_sin = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        fused.apply_rope_(q, k, rows, cos_sin, self.rotary_dim)

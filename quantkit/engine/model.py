@@ -1,0 +1,180 @@
+"""The engine's decoder: one module for the registry's Llama-layout families, built from a transformers config.
+
+What differs between the families is data read from the config: Qwen2 puts a bias on q/k/v, Qwen3
+normalizes q and k per head, Llama and Qwen3 may carry `attention_bias`/`mlp_bias`; InternLM2 arrives
+converted to the Llama layout (models/internlm2.py). q/k/v are one linear (`qkv_proj`) and gate/up
+another (`gate_up_proj`); engine/weights.py fuses the checkpoint's separate tensors into them.
+Module names otherwise follow transformers', so checkpoint names map onto them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from quantkit.config import UserError
+from quantkit.engine import weights
+from quantkit.engine.attention import Attention, get_metadata
+from quantkit.engine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from quantkit.models.registry import spec_for_config
+
+log = logging.getLogger(__name__)
+
+# Per family: q/k/v carry a bias whatever the config says (Qwen2); q and k are RMS-normalized per head (Qwen3).
+_QKV_BIAS_FAMILIES = ("qwen2",)
+_QK_NORM_FAMILIES = ("qwen3",)
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, family: str, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or family in _QKV_BIAS_FAMILIES
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias)
+        if family in _QK_NORM_FAMILIES:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, seq_lens: Optional[torch.Tensor]) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        self.rotary(positions, q, k, seq_lens)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UserError(f"activation {act!r} is not supported by the engine (SiLU-gated MLPs only); "
+                            "use quantkit.load for this model")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, family: str, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, family, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config)
+
+    def forward(self, positions, hidden, residual, seq_lens):
+        # The residual stream is added inside the norms (one fused op each) rather than after each sub-block.
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, seq_lens)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: Any, family: str, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        with torch.device("cpu"):  # a computed table, never a checkpoint tensor (the model may be built on meta)
+            self.rotary_emb = RotaryEmbedding(config, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, family, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        seq_lens = get_metadata().token_seq_lens() if self.rotary_emb.dynamic else None
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, seq_lens)
+        return self.norm(hidden, residual)[0]
+
+
+class DecoderModel(nn.Module):
+    """forward(input_ids [T], positions [T]) → hidden [T, hidden] for the step described by the
+    attention metadata; compute_logits(hidden [N, hidden]) → float32 [N, vocab]."""
+
+    def __init__(self, config: Any, max_positions: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.family = spec_for_config(config).name
+        self.max_positions = max_positions or config.max_position_embeddings
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            log.warning("the config sets a sliding window of %s tokens; the engine attends over the whole "
+                        "context, which differs beyond that length", config.sliding_window)
+        self.model = Decoder(config, self.family, self.max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.num_layers = config.num_hidden_layers
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def set_kv_caches(self, caches: list) -> None:
+        if len(caches) != self.num_layers:
+            raise ValueError(f"{len(caches)} KV caches for {self.num_layers} layers")
+        for layer, cache in zip(self.model.layers, caches):
+            layer.self_attn.attn.kv_cache = cache
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+
+def load_decoder(path: str | Path, device: Optional[str | torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> tuple[DecoderModel, Any, Any]:
+    """(model, tokenizer, generation_config) for an fp16/bf16/fp32 HF directory (InternLM2 converted),
+    a quantkit export (AWQ gemm, compressed-tensors W4/W8) or a .gguf file.
+
+    `device` defaults to CUDA when present; `dtype` (activations and unquantized weights) to float16
+    on CUDA and float32 on the CPU."""
+    from quantkit.config import check_device
+    from quantkit.models.loading import _load_tokenizer
+
+    check_device(None if device is None else str(device))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    ckpt = weights.open_checkpoint(Path(path), dtype)
+    with torch.device("meta"):
+        model = DecoderModel(ckpt.config)
+    weights.load_weights(model, ckpt, device, dtype)
+    model.model.rotary_emb.to(device)
+    model.eval().requires_grad_(False)
+    tokenizer = _load_tokenizer(ckpt.directory, ckpt.gguf_file)
+    return model, tokenizer, weights.generation_config(ckpt)

@@ -1,0 +1,249 @@
+"""Checkpoint → DecoderModel: reads a checkpoint a layer at a time and fuses q/k/v and gate/up.
+
+Sources: a full-precision HF directory (safetensors or .bin; InternLM2 renamed and its wqkv split by
+models/internlm2.py), a quantkit export (AWQ gemm or compressed-tensors pack-quantized: QuantLinear
+layers), or a .gguf file (dequantized by transformers). Fusing concatenates along the output
+dimension, whose position differs per layout: AWQ gemm packs it along dim 1 of qweight/qzeros/scales,
+compressed-tensors along dim 0 of weight_packed/weight_scale/weight_zero_point.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from quantkit.formats import compressed_tensors
+from quantkit.models import internlm2, lazy
+from quantkit.models.loading import ModelLoadError, read_config_json
+from quantkit.models.registry import spec_for_config
+from quantkit.nn.quant_linear import QuantLinear
+
+# Our fused linears and the checkpoint linears they are made of, in output order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Checkpoint tensors the decoder has no use for: rotary tables some checkpoints save, vLLM's fp8 KV scales.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.k_scale|\.v_scale)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass
+class Checkpoint:
+    directory: Path
+    config: Any  # transformers config (Llama layout; no quantization_config)
+    reader: Any  # names() and read(names) → {name: tensor}
+    convert: Optional[Callable[[dict], dict]] = None  # to Llama names (InternLM2)
+    quant: Optional[dict] = None  # quantization_config of a quantkit export
+    gguf_file: Optional[str] = None
+
+
+class _DictReader:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        return {n: self.tensors[n] for n in names}
+
+
+def open_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
+    from transformers import AutoConfig, LlamaConfig
+
+    if path.is_file() and path.suffix == ".gguf":
+        from quantkit.models.loading import load_fp_model
+
+        loaded = load_fp_model(path, dtype)
+        return Checkpoint(path.parent, loaded.model.config, _DictReader(dict(loaded.model.state_dict())),
+                          gguf_file=path.name)
+    cfg = read_config_json(path)
+    spec = spec_for_config(cfg)  # an unsupported architecture fails here, with the list of supported ones
+    if spec.name == "internlm2":
+        return Checkpoint(path, LlamaConfig(**internlm2.llama_config_dict(cfg)), lazy.TensorReader(path),
+                          convert=lambda sd: internlm2.to_llama_state_dict(sd, cfg))
+    quant = cfg.get("quantization_config")
+    if quant:
+        _check_quant_config(path, quant)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json cannot be read by transformers: {exc}".splitlines()[0]) from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    try:
+        reader = lazy.TensorReader(path)
+    except lazy.WeightsMismatch as exc:
+        raise ModelLoadError(str(exc)) from None
+    return Checkpoint(path, config, reader, quant=quant)
+
+
+def _check_quant_config(path: Path, qc: dict) -> None:
+    method = qc.get("quant_method")
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm" or int(qc.get("bits", 4)) != 4:
+            raise ModelLoadError(f"{path}: only AWQ gemm 4-bit checkpoints are supported; re-quantize with `quantkit awq`")
+    elif method == "compressed-tensors":
+        if qc.get("format", "pack-quantized") != "pack-quantized":
+            raise ModelLoadError(f"{path}: compressed-tensors format {qc['format']!r} is not supported, only "
+                                 "'pack-quantized': re-quantize with `quantkit rtn|int8|awq`")
+    else:
+        raise ModelLoadError(f"{path}: quantization method {method!r} is not supported; "
+                             "quantize the full-precision model with `quantkit rtn|int8|awq`")
+
+
+def _quant_bits(qc: Optional[dict]) -> int:
+    if qc is None or qc["quant_method"] == "awq":
+        return 4
+    return int(next(iter(qc["config_groups"].values()))["weights"]["num_bits"])
+
+
+def generation_config(ckpt: Checkpoint):
+    from transformers import GenerationConfig
+
+    if (ckpt.directory / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(ckpt.directory))
+    return GenerationConfig.from_model_config(ckpt.config)
+
+
+def _fuse_quant(parts: list[dict[str, torch.Tensor]], bits: int, dtype: torch.dtype) -> QuantLinear:
+    """One QuantLinear from checkpoint linears sharing their input, outputs in order."""
+    cat = lambda name, dim: torch.cat([p[name] for p in parts], dim=dim)  # noqa: E731
+    biases = [p.get("bias") for p in parts]
+    if "qweight" in parts[0]:
+        qweight, qzeros, scales = cat("qweight", 1), cat("qzeros", 1), cat("scales", 1)
+        in_f, out_f = qweight.shape[0], scales.shape[1]
+        layer = QuantLinear(in_f, out_f, 4, in_f // scales.shape[0], layout="awq",
+                            bias=biases[0] is not None, device="meta")
+        tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    else:
+        per_word = 32 // bits
+        symmetric = parts[0].get("weight_zero_point") is None
+        outs = [int(p["weight_shape"][0]) for p in parts]
+        in_f = int(parts[0]["weight_shape"][1])
+        if symmetric or all(o % per_word == 0 for o in outs):
+            tensors = {"weight_packed": cat("weight_packed", 0), "weight_scale": cat("weight_scale", 0)}
+            if not symmetric:
+                tensors["weight_zero_point"] = cat("weight_zero_point", 0)
+        else:  # zero points pack several output rows per word: unpack, join, pack again
+            unpacked = [compressed_tensors.unpack_compressed(p, bits) for p in parts]
+            q, z, s = (torch.cat([u[i] for u in unpacked], dim=0) for i in range(3))
+            tensors = compressed_tensors.pack_compressed(q, z, s, bits, symmetric)
+            tensors["weight_scale"] = s
+        tensors["weight_shape"] = torch.tensor([sum(outs), in_f], dtype=torch.int64)
+        layer = QuantLinear(in_f, sum(outs), bits, in_f // tensors["weight_scale"].shape[1], layout="packed",
+                            symmetric=symmetric, bias=biases[0] is not None, device="meta")
+    if biases[0] is not None:
+        tensors["bias"] = torch.cat(biases).to(dtype)
+    for name, t in tensors.items():
+        setattr(layer, name, t)
+    # On the CPU the reference path dequantizes on every call; keeping the result trades memory for speed.
+    layer.cache_dequantized = next(iter(tensors.values())).device.type == "cpu"
+    return layer
+
+
+def _fuse_fp(parts: list[dict[str, torch.Tensor]], dtype: torch.dtype) -> nn.Linear:
+    weight = torch.cat([p["weight"] for p in parts], dim=0).to(dtype)
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].get("bias") is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if layer.bias is not None:
+        layer.bias = nn.Parameter(torch.cat([p["bias"] for p in parts]).to(dtype), requires_grad=False)
+    return layer
+
+
+def _take(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Remove and return the tensors named `prefix.<name>`, keyed by <name>."""
+    found = {n[len(prefix) + 1:]: n for n in tensors if n.startswith(prefix + ".") and "." not in n[len(prefix) + 1:]}
+    return {short: tensors.pop(full) for short, full in found.items()}
+
+
+def _load_linear(parent: nn.Module, child: str, full_name: str, tensors: dict, bits: int, dtype, where: Path) -> None:
+    base = full_name.rpartition(".")[0]
+    sources = [f"{base}.{s}" if base else s for s in FUSED.get(child, (child,))]
+    parts = [_take(tensors, s) for s in sources]
+    missing = [s for s, p in zip(sources, parts) if not p]
+    if missing:
+        raise ModelLoadError(f"{where}: the checkpoint has no tensors for {missing[0]} (is it a complete checkpoint?)")
+    kinds = {"qweight" in p or "weight_packed" in p for p in parts}
+    if len(kinds) > 1:
+        raise ModelLoadError(f"{where}: {', '.join(sources)} are not all quantized alike; the engine runs them as "
+                             "one layer: quantize all of them or none")
+    quantized = kinds.pop()
+    setattr(parent, child, _fuse_quant(parts, bits, dtype) if quantized else _fuse_fp(parts, dtype))
+
+
+def _load_module_tensors(model: nn.Module, names: list[str], tensors: dict, ckpt: Checkpoint, device, dtype) -> None:
+    """Fill the modules `names` (ours, HF-style paths) from `tensors` (checkpoint names, on `device`)."""
+    bits = _quant_bits(ckpt.quant)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = getattr(parent, child)
+        if isinstance(module, nn.Linear):
+            _load_linear(parent, child, name, tensors, bits, dtype, ckpt.directory)
+            continue
+        own = _take(tensors, name)
+        for pname, _ in list(module.named_parameters(recurse=False)):
+            if pname not in own:
+                raise ModelLoadError(f"{ckpt.directory}: the checkpoint has no tensor {name}.{pname}")
+            t = own.pop(pname)
+            if tuple(t.shape) != tuple(getattr(module, pname).shape):
+                raise ModelLoadError(f"{ckpt.directory}: {name}.{pname} has shape {tuple(t.shape)}, the config says "
+                                     f"{tuple(getattr(module, pname).shape)}")
+            setattr(module, pname, nn.Parameter(t.to(dtype), requires_grad=False))
+
+
+def _leaf_modules(model: nn.Module, prefix: str) -> list[str]:
+    """Modules under `prefix` that own checkpoint tensors (linears, norms, the embedding)."""
+    out = []
+    for name, module in model.named_modules():
+        if not name.startswith(prefix) or "rotary" in name:
+            continue
+        if isinstance(module, nn.Linear) or (list(module.parameters(recurse=False)) and not isinstance(module, QuantLinear)):
+            out.append(name)
+    return out
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+    """Read the checkpoint into `model` (built on the meta device), one decoder layer at a time."""
+    names = [n for n in ckpt.reader.names() if not _IGNORED.search(n)]
+    by_layer: dict[int, list[str]] = {}
+    rest: list[str] = []
+    for n in names:
+        m = _LAYER.match(n)
+        (by_layer.setdefault(int(m.group(1)), []) if m else rest).append(n)
+    if set(by_layer) != set(range(model.num_layers)):
+        raise ModelLoadError(f"{ckpt.directory}: the checkpoint has {len(by_layer)} decoder layers, its config "
+                             f"{model.num_layers}")
+
+    def read(unit_names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = ckpt.reader.read(unit_names)
+        if ckpt.convert is not None:
+            tensors = ckpt.convert(tensors)
+        return {n: t.to(device) for n, t in tensors.items()}
+
+    for i in range(model.num_layers):
+        tensors = read(by_layer[i])
+        _load_module_tensors(model, _leaf_modules(model, f"model.layers.{i}."), tensors, ckpt, device, dtype)
+        _check_all_used(tensors, ckpt.directory)
+    tensors = read(rest)
+    top = ["model.embed_tokens", "model.norm"]
+    if model.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some checkpoints save the tied copy too
+    else:
+        top.append("lm_head")
+    _load_module_tensors(model, top, tensors, ckpt, device, dtype)
+    _check_all_used(tensors, ckpt.directory)
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _check_all_used(tensors: dict, where: Path) -> None:
+    if tensors:
+        extra = sorted(tensors)
+        raise ModelLoadError(f"{where}: tensors the config does not describe: {', '.join(extra[:3])}"
+                             f"{' …' if len(extra) > 3 else ''}")
