@@ -9,6 +9,7 @@ dequantizes the weight and calls the platform's matrix product. The first refusa
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -44,3 +45,14 @@ def _check(index: int) -> bool:
         log.warning("quantized linears on cuda:%d, %s: the Triton kernels need an NVIDIA GPU of compute "
                     "capability 8.0 or later; using the dequantize path (torch reference)", index, why)
     return False
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether the engine's Triton kernels (paged KV cache, fused norm/rope/silu) run for tensors on
+    `device`: QUANTKIT_KERNEL=triton|reference decides if set (with TRITON_INTERPRET=1, "triton" runs
+    them on the CPU through Triton's interpreter), else `mma_capable`. TRITON_INTERPRET alone does not
+    switch: the kernel tests set it for a whole pytest session, whose engine tests keep the reference."""
+    forced = os.environ.get("QUANTKIT_KERNEL", "").strip().lower()
+    if forced in ("reference", "triton"):
+        return forced == "triton"
+    return mma_capable(device)

@@ -15,7 +15,6 @@ forces one (with TRITON_INTERPRET=1, "triton" runs the kernels on the CPU throug
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from quantkit.config import UserError
-from quantkit.kernels.hardware import mma_capable
+from quantkit.kernels.hardware import runs_triton
 
 BITS = (16, 8, 4)
 QMAX = {8: 255, 4: 15}
@@ -94,17 +93,6 @@ def check_bits(bits: int, head_dim: int) -> None:
         raise UserError(f"kv_bits 4 packs two channels per byte, but head_dim is {head_dim} (odd): use kv_bits 8.")
 
 
-def use_triton(device: torch.device) -> bool:
-    """Whether the Triton kernels run: QUANTKIT_KERNEL=triton|reference decides if set, else an NVIDIA
-    GPU of compute capability 8.0 or later (kernels.hardware) does. TRITON_INTERPRET alone does not
-    switch: the kernel tests set it for a whole pytest session, where the engine's own tests should
-    keep the reference."""
-    forced = os.environ.get("QUANTKIT_KERNEL", "").strip().lower()
-    if forced in ("reference", "triton"):
-        return forced == "triton"
-    return mma_capable(device)
-
-
 # ---- quantization (the same arithmetic as runtime/kv_quant.quantize_per_token, which kernels/ may not import)
 
 def quantize_per_token(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -141,7 +129,7 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: tor
 
 def write_kv(cache: PagedKV, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Store k, v [T, kv_heads, head_dim] at slots slot_mapping [T] (int64; entries < 0 are skipped)."""
-    if use_triton(k.device):
+    if runs_triton(k.device):
         from quantkit.kernels import triton_paged
 
         return triton_paged.write_kv(cache, k, v, slot_mapping)
@@ -182,7 +170,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, cont
     """Attention of one query token per sequence, q [B, heads, head_dim], over its context_lens[b] cached
     tokens (its own K/V already written); block_tables [B, max_blocks] int32 (entries past the context
     are never read). GQA: query head h reads kv head h // (heads // kv_heads). Returns [B, heads, head_dim]."""
-    if use_triton(q.device):
+    if runs_triton(q.device):
         from quantkit.kernels import triton_paged
 
         return triton_paged.paged_decode_attention(q, cache, block_tables, context_lens, sm_scale)

@@ -1,0 +1,113 @@
+"""Triton kernels of kernels/fused.py: RMSNorm (+ residual add), RoPE in place, SiLU·mul.
+
+One program per token (row); the roundings are those of the torch reference in fused.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n, stride_x, stride_r, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(out_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * n + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / n + eps)
+    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(out) if residual is not None else out
+    r2 = x2
+    if residual is not None:
+        r2 = residual.reshape(-1, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, h, n, x2.stride(0), r2.stride(0), eps,
+                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
+                                    num_warps=4 if n <= 4096 else 8)
+    return out if residual is None else (out, h)
+
+
+@triton.jit
+def _rotate(x_ptr, t, stride_t, stride_h, heads, cos, sin, offs_i, half_mask,
+            HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h[:, None] < heads) & half_mask[None, :]
+    base = x_ptr + t * stride_t + offs_h[:, None] * stride_h
+    if INTERLEAVED:
+        p1 = base + 2 * offs_i[None, :]
+        p2 = p1 + 1
+    else:
+        p1 = base + offs_i[None, :]
+        p2 = p1 + HALF
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(p2, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, q_heads, k_heads, stride_qt, stride_qh, stride_kt, stride_kh,
+                stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    half_mask = offs_i < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_i, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_i, mask=half_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate(q_ptr, t, stride_qt, stride_qh, q_heads, cos, sin, offs_i, half_mask, HALF, INTERLEAVED, BLOCK_QH)
+    _rotate(k_ptr, t, stride_kt, stride_kh, k_heads, cos, sin, offs_i, half_mask, HALF, INTERLEAVED, BLOCK_KH)
+
+
+def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int,
+                interleaved: bool = False) -> None:
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin.stride(-1) != 1:
+        raise ValueError("apply_rope_ needs q, k and cos_sin contiguous in their last dim")
+    half = rotary_dim // 2
+    rope_kernel[(q.shape[0],)](q, k, positions, cos_sin, q.shape[1], k.shape[1], q.stride(0), q.stride(1),
+                               k.stride(0), k.stride(1), cos_sin.stride(0), HALF=half,
+                               BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVED=interleaved,
+                               BLOCK_QH=triton.next_power_of_2(q.shape[1]),
+                               BLOCK_KH=triton.next_power_of_2(k.shape[1]), num_warps=4)
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    inter = gate_up.shape[-1] // 2
+    x2 = gate_up.reshape(-1, 2 * inter)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, x2.stride(0), BLOCK=block, num_warps=4)
+    return out
