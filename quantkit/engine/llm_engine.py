@@ -1,0 +1,270 @@
+"""Engine: requests in, tokens and text out, one scheduler step at a time (continuous batching).
+
+    engine = Engine("MODEL_DIR", EngineConfig(kv_bits=8))
+    for out in engine.stream("Hi, pls intro yourself", SamplingParams(max_tokens=64)):
+        print(out.text, end="", flush=True)
+
+Every `step()` schedules the waiting and running requests under the token budget, runs the model once,
+samples one token for each sequence that finished its prompt or decoded, and returns what changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence as Seq, Union
+
+import torch
+
+from quantkit.config import UserError
+from quantkit.engine.block_manager import BlockManager
+from quantkit.engine.config import EngineConfig, SamplingParams
+from quantkit.engine.detokenize import IncrementalDetokenizer
+from quantkit.engine.model_runner import ModelRunner
+from quantkit.engine.sampler import Sampler
+from quantkit.engine.scheduler import Scheduler
+from quantkit.engine.sequence import Sequence
+
+Prompt = Union[str, Seq[int], Seq[dict]]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new text and token ids (the whole answer in the
+    outputs `generate` returns), whether it finished and why ("stop", "length" or "abort")."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str]
+    usage: Usage
+    logprobs: Optional[list] = None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: Optional[IncrementalDetokenizer]
+    sent: int = 0                        # generated tokens already reported
+    logprobs: list = field(default_factory=list)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: ids as given, a string tokenized, chat messages through the chat template."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise UserError("this engine has no tokenizer: pass token ids as the prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    prompt = list(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return encode_chat(tokenizer, prompt)
+    if not all(isinstance(t, int) for t in prompt):
+        raise UserError("a prompt is a string, a list of token ids, or a list of chat messages "
+                        "({'role': ..., 'content': ...})")
+    return prompt
+
+
+def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Chat messages through the tokenizer's chat template, ready for the assistant's answer. Without a
+    template (a base model) the turns are written as 'role: content' lines."""
+    if tokenizer is None:
+        raise UserError("this engine has no tokenizer: chat messages need one")
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return list(tokenizer(text)["input_ids"])
+
+
+class Engine:
+    """Continuous-batching inference over our decoder and a paged KV pool; see the module docstring."""
+
+    def __init__(self, path: Union[str, Path], config: Optional[EngineConfig] = None) -> None:
+        from quantkit.engine.model import load_decoder
+
+        config = config or EngineConfig()
+        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+        model, tokenizer, generation_config = load_decoder(path, config.device, dtype)
+        self._start(model, tokenizer, generation_config, config)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any = None, config: Optional[EngineConfig] = None,
+                   generation_config: Any = None) -> "Engine":
+        """An engine over a DecoderModel already built (the benchmarks' random-weight models)."""
+        engine = cls.__new__(cls)
+        engine._start(model, tokenizer, generation_config, config or EngineConfig())
+        return engine
+
+    def _start(self, model: Any, tokenizer: Any, generation_config: Any, config: EngineConfig) -> None:
+        self.model, self.tokenizer, self.generation_config, self.config = model, tokenizer, generation_config, config
+        self.runner = ModelRunner(model, config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.max_model_len = self.runner.max_model_len
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.RLock()          # step() may run in a worker thread (astream)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop_task: Optional[asyncio.Task] = None
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> str:
+        """Queue a request (a string, token ids, or chat messages); returns its id."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        params = (params or SamplingParams()).with_defaults(self.generation_config, eos)
+        token_ids = encode_prompt(self.tokenizer, prompt)
+        if not token_ids:
+            raise UserError("the prompt is empty: give at least one token")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        with self._lock:
+            if request_id in self._requests:
+                raise UserError(f"request id {request_id!r} is already running: give each request its own id")
+            seq = Sequence(token_ids, params, request_id)
+            self.scheduler.add(seq)  # refuses a prompt the pool or max_model_len cannot hold
+            detok = IncrementalDetokenizer(self.tokenizer, seq) if self.tokenizer is not None else None
+            self._requests[request_id] = _Request(seq, detok)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its blocks are freed at once. Unknown or finished ids are ignored."""
+        with self._lock:
+            req = self._requests.pop(str(request_id), None)
+            if req is not None:
+                self.scheduler.abort(req.seq.request_id)
+        queue = self._queues.get(str(request_id))
+        if req is not None and queue is not None:
+            queue.put_nowait(self._output(req, [], "", finished=True, reason="abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # --- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; one RequestOutput per request that got a token or finished."""
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            logits, seqs = self.runner.run(batch)
+            token_ids, logprobs = self.sampler(logits, seqs) if seqs else (torch.empty(0), None)
+            token_ids = token_ids.tolist()
+            self.scheduler.postprocess(batch, token_ids, logprobs)
+            outputs = [self._advance(seq, tok) for seq, tok in zip(seqs, token_ids)]
+            return [out for out in outputs if out is not None]
+
+    def _advance(self, seq: Sequence, token_id: int) -> Optional[RequestOutput]:
+        req = self._requests.get(seq.request_id)
+        if req is None:
+            return None
+        delta = ""
+        if req.detok is not None:
+            delta = req.detok.step(token_id)
+            if req.detok.stopped and not seq.is_finished:  # a stop string ended the text
+                self.scheduler.finish(seq, "stop", req.detok.stop_string)
+        new_ids = seq.output_token_ids[req.sent:]
+        req.sent = seq.num_output_tokens
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+        return self._output(req, new_ids, delta, seq.is_finished, seq.finish_reason)
+
+    def _output(self, req: _Request, new_ids: list[int], text: str, finished: bool,
+                reason: Optional[str]) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(seq.request_id, text, list(new_ids), finished, reason if finished else None,
+                             Usage(seq.num_prompt_tokens, seq.num_output_tokens))
+
+    # --- whole answers ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Union[Prompt, list[Prompt]], params: Union[SamplingParams, list, None] = None,
+                 progress: bool = True) -> list[RequestOutput]:
+        """Every prompt to its end, all fed through the scheduler at once; one final RequestOutput each
+        (the whole text and token ids), in the order of `prompts`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        final: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids), progress)
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.request_id not in texts:
+                    continue
+                texts[out.request_id].append(out.text)
+                tokens[out.request_id].extend(out.token_ids)
+                if out.finished:
+                    out.text, out.token_ids = "".join(texts[out.request_id]), tokens[out.request_id]
+                    final[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+               request_id: Optional[str] = None) -> Iterator[RequestOutput]:
+        """Outputs of one request as they come (text deltas). Stepping serves every queued request, but
+        only this one's outputs are yielded: run one stream at a time, or use astream. Closing the
+        iterator early (break, Ctrl-C) aborts the request."""
+        rid = self.add_request(prompt, params, request_id)
+        finished = False
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def astream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                      request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """`stream` for asyncio: any number of concurrent consumers share one stepping task, which runs
+        the steps in a worker thread so the event loop stays free."""
+        rid = self.add_request(prompt, params, request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    async def _step_loop(self) -> None:
+        while self._queues and self.has_unfinished_requests():
+            for out in await asyncio.to_thread(self.step):
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req", disable=not enabled or total < 2, dynamic_ncols=True)

@@ -1,0 +1,222 @@
+"""ModelRunner: the KV pool, one step's tensors, the forward, and CUDA graphs for decode steps.
+
+The pool is sized once, at start: on CUDA it takes `cache_max_entry_count` of the memory still free
+after the weights and a warm-up forward of the largest step (lmdeploy's rule); on the CPU it holds
+`num_kv_tokens` tokens. A step whose sequences each bring one token (a pure decode) replays a CUDA graph
+captured for the next batch-size bucket up; the padding rows write nowhere (slot -1).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.config import UserError
+from quantkit.engine.attention import AttnMetadata, set_metadata
+from quantkit.kernels.capture import graph_warmup
+from quantkit.kernels.paged_kv import PagedKV
+
+log = logging.getLogger(__name__)
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CPU_KV_TOKENS = 8192
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs; `sample_rows` are the rows of the tokens whose logits are wanted."""
+
+    input_ids: torch.Tensor   # [T] int64
+    positions: torch.Tensor   # [T] int64
+    meta: AttnMetadata
+    sample_rows: torch.Tensor  # [N] int64, row in the flat batch of each sampled sequence's last token
+    sampled: list             # the sequences that get a token this step, in `sample_rows` order
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes graphs are captured for: the buckets up to max_num_seqs (at least the first)."""
+    return [b for b in GRAPH_BUCKETS if b <= max(max_num_seqs, 1)]
+
+
+class ModelRunner:
+    """Owns the model's KV pool and runs it on scheduled batches."""
+
+    def __init__(self, model: torch.nn.Module, config) -> None:
+        self.model, self.config = model, config
+        self.device, self.dtype = model.device, model.dtype
+        self.block_size = config.block_size
+        self.num_layers, self.kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
+        self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.num_blocks = self._allocate_pool()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_graphs = bool(config.cuda_graphs) and self.device.type == "cuda"
+        if self.use_graphs:
+            self._capture_graphs()
+
+    # --- the pool ---------------------------------------------------------------------------------
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes in every layer together."""
+        per_layer = PagedKV.bytes_per_token(self.kv_heads, self.head_dim, self.config.kv_bits, self.dtype)
+        return per_layer * self.num_layers
+
+    def _allocate(self, num_blocks: int) -> None:
+        caches = [PagedKV.allocate(num_blocks, self.block_size, self.kv_heads, self.head_dim, self.config.kv_bits,
+                                   self.dtype, self.device) for _ in range(self.num_layers)]
+        self.model.set_kv_caches(caches)
+
+    def _allocate_pool(self) -> int:
+        if self.device.type == "cuda":
+            num_tokens = self._cuda_pool_tokens()
+        else:
+            num_tokens = self.config.num_kv_tokens or CPU_KV_TOKENS
+        num_blocks = num_tokens // self.block_size
+        if num_blocks < 1:
+            raise UserError(f"the KV pool holds only {num_tokens} tokens: raise --cache-max-entry-count "
+                            "(or num_kv_tokens on the CPU), or use --kv-bits 8 to fit more tokens")
+        self._allocate(num_blocks)
+        log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB, kv_bits %d)", num_blocks, self.block_size,
+                 num_blocks * self.block_size, num_blocks * self.block_size * self.bytes_per_token() / 2**30,
+                 self.config.kv_bits)
+        return num_blocks
+
+    def _cuda_pool_tokens(self) -> int:
+        """cache_max_entry_count × the memory free after the weights and a warm-up forward of the largest
+        step (its activations stay reserved: the pool must leave room for them)."""
+        if self.config.num_kv_tokens:
+            return self.config.num_kv_tokens
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup()
+        torch.cuda.synchronize(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        available = max(free + reusable - activations, 0)
+        return int(self.config.cache_max_entry_count * available) // self.bytes_per_token()
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """One forward of a step as large as the scheduler may make (attention over its own tokens: no
+        pool exists yet), so its activations count in the peak."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.model.set_kv_caches([None] * self.num_layers)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens, device=self.device)
+        set_metadata(AttnMetadata(
+            slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False))
+        try:
+            self.model.compute_logits(self.model(ids, positions)[-1:])
+        finally:
+            set_metadata(None)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def prepare(self, batch) -> StepInputs:
+        """Flat token ids, positions and attention metadata for the scheduled (sequence, new tokens) pairs."""
+        ids, positions, slots, tables, context_lens, query_start = [], [], [], [], [], [0]
+        sample_rows, sampled = [], []
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
+            tables.append(table)
+            context_lens.append(end)
+            query_start.append(query_start[-1] + n)
+            if end == len(seq.token_ids):  # its whole prompt (or its last token) is in the cache: sample
+                sample_rows.append(query_start[-1] - 1)
+                sampled.append(seq)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            is_decode=all(n == 1 for _, n in batch),
+        )
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sampled)
+
+    @torch.inference_mode()
+    def run(self, batch) -> tuple[Optional[torch.Tensor], list]:
+        """Forward one scheduled batch: (float32 logits [N, vocab] of the sequences that get a token this
+        step, those sequences). Logits are None when no sequence samples (only partial prompt chunks)."""
+        step = self.prepare(batch)
+        bucket = self._bucket(len(step.sampled)) if step.meta.is_decode and len(step.sampled) == len(batch) else None
+        if bucket is not None:
+            logits = self._replay(step, bucket)
+        else:
+            set_metadata(step.meta)
+            hidden = self.model(step.input_ids, step.positions)
+            set_metadata(None)
+            logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sampled else None
+        return logits, step.sampled
+
+    # --- CUDA graphs for decode steps ---------------------------------------------------------------
+
+    def _bucket(self, batch_size: int) -> Optional[int]:
+        if not self.graphs:
+            return None
+        return next((b for b in sorted(self.graphs) if b >= batch_size), None)
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        """One graph per bucket, the largest first so the smaller ones reuse its memory pool. The graphs
+        read the static tensors below; `_replay` copies each step's values into them."""
+        buckets = graph_buckets(self.config.max_num_seqs)
+        n, dev = buckets[-1], self.device
+        self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.g_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.g_context = torch.ones(n, dtype=torch.int32, device=dev)
+        self.g_query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.g_logits: dict[int, torch.Tensor] = {}
+        pool = None
+        try:
+            for b in reversed(buckets):
+                meta = AttnMetadata(self.g_slots[:b], self.g_tables[:b], self.g_context[:b],
+                                    self.g_query_start[:b + 1], is_decode=True)
+                set_metadata(meta)
+                with graph_warmup():  # compiles the kernels the capture launches, outside it
+                    self.model.compute_logits(self.model(self.g_ids[:b], self.g_positions[:b]))
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.g_logits[b] = self.model.compute_logits(self.model(self.g_ids[:b], self.g_positions[:b]))
+                pool = pool or graph.pool()
+                self.graphs[b] = graph
+        except RuntimeError as exc:  # a kernel that cannot be captured: decode eagerly, still correct
+            log.warning("CUDA-graph capture failed, decoding eagerly: %s", str(exc).splitlines()[0])
+            self.graphs.clear()
+            self.g_logits = {}
+        finally:
+            set_metadata(None)
+        torch.cuda.synchronize(dev)
+
+    def _replay(self, step: StepInputs, bucket: int) -> torch.Tensor:
+        b = step.input_ids.shape[0]
+        meta = step.meta
+        self.g_ids[:b].copy_(step.input_ids)
+        self.g_positions[:b].copy_(step.positions)
+        self.g_slots[:b].copy_(meta.slot_mapping)
+        self.g_slots[b:bucket].fill_(-1)
+        self.g_context[:b].copy_(meta.context_lens)
+        self.g_context[b:bucket].fill_(1)
+        self.g_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.g_tables[b:bucket].zero_()
+        self.graphs[bucket].replay()
+        return self.g_logits[bucket][:b]
