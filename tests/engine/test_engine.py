@@ -1,0 +1,195 @@
+"""Engine greedy tokens = transformers' greedy `generate`, with requests batched together, arriving at
+different steps, chunked, preempted for lack of blocks, and reusing cached prefixes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from quantkit.config import UserError
+from quantkit.engine import Engine, EngineConfig, SamplingParams
+
+NEW = 32
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is far faster than several on shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def prompts(seed: int, lengths=(5, 37, 2, 19, 64)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+_HF: dict = {}
+
+
+def hf_greedy(path, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation (EOS ignored), one prompt at a time: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    key = (str(path), tuple(prompt))
+    if key not in _HF:
+        model = _HF.setdefault(str(path), AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        _HF[key] = out[0, len(prompt):].tolist()
+    return _HF[key]
+
+
+def engine(path, **settings) -> Engine:
+    return Engine(path, EngineConfig(device="cpu", **{"num_kv_tokens": 2048, **settings}))
+
+
+def run_staggered(eng: Engine, batches: list[list[list[int]]], steps_between: int = 3) -> dict[str, list[int]]:
+    """Add each group of prompts `steps_between` steps after the previous one; step to the end."""
+    ids, tokens, done = {}, {}, set()
+    for group in batches:
+        for p in group:
+            rid = eng.add_request(p, GREEDY)
+            ids[rid], tokens[rid] = p, []
+        for _ in range(steps_between):
+            for out in eng.step():
+                tokens[out.request_id] += out.token_ids
+                done |= {out.request_id} if out.finished else set()
+    while len(done) < len(ids):
+        for out in eng.step():
+            tokens[out.request_id] += out.token_ids
+            done |= {out.request_id} if out.finished else set()
+    return {rid: (ids[rid], tokens[rid]) for rid in ids}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equals_hf_with_staggered_arrivals_and_chunked_prefill(tiny_models, arch):
+    path = tiny_models[arch]
+    ps = prompts(1)
+    # A 24-token budget splits the longer prompts over several steps, beside other sequences' decodes.
+    eng = engine(path, max_num_batched_tokens=24)
+    results = run_staggered(eng, [ps[:2], ps[2:4], ps[4:]])
+    assert len(results) == len(ps)
+    for prompt, toks in results.values():
+        assert toks == hf_greedy(path, prompt)
+    assert eng.block_manager.num_free_blocks == eng.runner.num_blocks  # every block given back
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equals_hf_under_preemption(tiny_models, arch):
+    path = tiny_models[arch]
+    ps = prompts(2, (20, 30, 12, 25))
+    # 10 blocks of 16 = 160 tokens for four sequences that end at 44–62 tokens: some must be preempted.
+    eng = engine(path, num_kv_tokens=160, enable_prefix_caching=False)
+    outs = eng.generate(ps, GREEDY, progress=False)
+    assert eng.scheduler.num_preemptions > 0
+    for p, out in zip(ps, outs):
+        assert out.token_ids == hf_greedy(path, p)
+        assert out.finish_reason == "length" and out.usage.completion_tokens == NEW
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equals_hf_with_prefix_hits(tiny_models, arch):
+    path = tiny_models[arch]
+    shared = prompts(3, (40,))[0]
+    tails = prompts(4, (3, 9, 1))
+    eng = engine(path)
+    first = eng.generate([shared + tails[0]], GREEDY, progress=False)[0]
+    scheduled: list[tuple[int, int]] = []
+    schedule = eng.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        scheduled.extend((seq.num_computed_tokens, n) for seq, n in batch if seq.num_output_tokens == 0)
+        return batch
+
+    eng.scheduler.schedule = recording
+    rest = eng.generate([shared + t for t in tails[1:]], GREEDY, progress=False)
+    # Both later prompts start after the 2 full cached blocks (32 tokens) of the shared prefix.
+    assert sorted(start for start, _ in scheduled) == [32, 32]
+    for tail, out in zip(tails, [first, *rest]):
+        assert out.token_ids == hf_greedy(path, shared + tail)
+
+
+def test_stream_deltas_add_up_to_generate_and_close_aborts(tiny_models):
+    eng = engine(tiny_models["llama"])
+    prompt = "the model quantizes weights"
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = eng.generate([prompt], params, progress=False)[0]
+    deltas = list(eng.stream(prompt, params))
+    assert "".join(d.text for d in deltas) == whole.text
+    assert sum((d.token_ids for d in deltas), []) == whole.token_ids
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    stream = eng.stream(prompt, params)
+    next(stream)
+    assert eng.block_manager.num_free_blocks < eng.runner.num_blocks
+    stream.close()  # the consumer stops early: the request is aborted and its blocks freed
+    assert not eng.has_unfinished_requests()
+    assert not eng.scheduler.has_unfinished()
+
+
+def test_abort_frees_blocks_and_other_requests_go_on(tiny_models):
+    path = tiny_models["llama"]
+    eng = engine(path, enable_prefix_caching=False)
+    ps = prompts(5, (10, 12))
+    a = eng.add_request(ps[0], GREEDY)
+    b = eng.add_request(ps[1], GREEDY)
+    first = {out.request_id: out.token_ids for out in eng.step()}
+    eng.abort(a)
+    assert eng.scheduler.find(a) is None
+    toks, finished = list(first[b]), None
+    while finished is None:
+        for out in eng.step():
+            assert out.request_id == b
+            toks += out.token_ids
+            finished = out if out.finished else None
+    assert toks == hf_greedy(path, ps[1])
+    assert eng.block_manager.num_free_blocks == eng.runner.num_blocks
+
+
+def test_astream_serves_concurrent_requests(tiny_models):
+    path = tiny_models["llama"]
+    eng = engine(path)
+    ps = prompts(6, (7, 15, 3))
+
+    async def collect(p):
+        return [t for out in [o async for o in eng.astream(p, GREEDY)] for t in out.token_ids]
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in ps))
+
+    for p, toks in zip(ps, asyncio.run(main())):
+        assert toks == hf_greedy(path, p)
+
+
+def test_stop_string_and_chat_messages(tiny_models):
+    eng = engine(tiny_models["llama"])
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = eng.generate(["the cache keeps"], params, progress=False)[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut = eng.generate(["the cache keeps"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                           stop=[stop]), progress=False)[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)
+    # A tokenizer without a chat template gets the turns as 'role: content' lines.
+    msgs = [{"role": "user", "content": "the model"}]
+    by_messages = eng.generate([msgs], params, progress=False)[0]
+    by_text = eng.generate(["user: the model\nassistant:"], params, progress=False)[0]
+    assert by_messages.token_ids == by_text.token_ids
+
+
+def test_user_errors(tiny_models):
+    eng = engine(tiny_models["llama"], num_kv_tokens=64)
+    with pytest.raises(UserError, match="prompt has 80 tokens"):
+        eng.add_request(list(range(3, 83)), GREEDY)
+    with pytest.raises(UserError, match="empty"):
+        eng.add_request([], GREEDY)
+    rid = eng.add_request([5, 6], GREEDY, request_id="x")
+    with pytest.raises(UserError, match="already running"):
+        eng.add_request([5, 6], GREEDY, request_id=rid)
