@@ -169,3 +169,73 @@ def test_prefill_attention_matches_float64(reference_path, bits):
         qb = q[start[b]:start[b + 1]]
         want = attention64(qb, stored_values(ks[b], bits), stored_values(vs[b], bits), 0.125, causal_offset=n - m)
         torch.testing.assert_close(out[start[b]:start[b + 1]].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_equals_prefill_of_one_token(reference_path):
+    lens = [19, 48]
+    cache, tables, _, _ = filled_cache(lens, 2, 64, 8, torch.float32, seed=5)
+    q = torch.randn(2, 4, 64)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    decode = paged_decode_attention(q, cache, tables, ctx, 0.1)
+    prefill = paged_prefill_attention(q, cache, tables, ctx, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1)
+    torch.testing.assert_close(decode, prefill, rtol=1e-5, atol=1e-5)
+
+
+# ---- Triton kernels against the reference (interpreted)
+
+def rel(out, ref):
+    assert torch.isfinite(out).all(), "output holds NaN/Inf"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_write_equals_reference(monkeypatch, triton_interpreter, bits, dtype):
+    """Same codes, scales and zeros byte for byte; k and v as views of one fused qkv output; slot -1 skipped."""
+    g = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(23, 8, 64, generator=g) * torch.rand(23, 8, 1, generator=g) * 3).to(dtype)
+    qkv[4, 4] = qkv[4, 4].abs()  # a row with no negative value
+    k, v = qkv[:, 4:6], qkv[:, 6:8]  # q would be qkv[:, :4]: non-contiguous views
+    slots = torch.randperm(5 * BLOCK, generator=g)[:23]
+    slots[[3, 11]] = -1
+    caches = []
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("QUANTKIT_KERNEL", path)
+        cache = PagedKV.allocate(5, BLOCK, 2, 64, bits, dtype, "cpu")
+        write_kv(cache, k, v, slots)
+        caches.append(cache)
+    ref, tri = caches
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+        if getattr(ref, name) is not None:
+            assert torch.equal(getattr(tri, name), getattr(ref, name)), name
+    assert ref.k.flatten().float().abs().sum() > 0
+
+
+DECODE_CASES = [  # bits, dtype, heads, kv_heads, partitions (None: num_partitions), block_n
+    (16, torch.float16, 4, 2, None, 64),
+    (8, torch.float16, 4, 2, None, 64),
+    (4, torch.float16, 4, 2, None, 64),
+    (16, torch.bfloat16, 4, 2, 1, 16),
+    (8, torch.bfloat16, 4, 2, 3, 16),
+    (4, torch.float16, 4, 2, 1, 32),
+    (8, torch.float16, 2, 2, 5, 16),
+    (4, torch.float16, 8, 1, 2, 16),
+]
+
+
+@pytest.mark.parametrize("bits,dtype,heads,kv_heads,partitions,block_n", DECODE_CASES)
+def test_triton_decode_attention(monkeypatch, triton_interpreter, bits, dtype, heads, kv_heads, partitions, block_n):
+    """Contexts of 1 token to several tiles, partial last blocks, random block tables; a kernel split
+    into more partitions than a short context has tiles leaves those partitions empty."""
+    from quantkit.kernels import triton_paged
+
+    lens = [1, 16, 37, 70, 5]
+    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    cache, tables, _, _ = filled_cache(lens, kv_heads, 64, bits, dtype, seed=bits + heads)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = (torch.randn(len(lens), heads, 96, generator=torch.Generator().manual_seed(2))[..., :64] * 2).to(dtype)
+    ref = paged_decode_attention(q, cache, tables, ctx, 0.125)
+    out = triton_paged.paged_decode_attention(q, cache, tables, ctx, 0.125, partitions=partitions, block_n=block_n)
+    assert rel(out, ref) < 4e-3
+    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")  # and the dispatch takes the kernel
+    assert rel(paged_decode_attention(q, cache, tables, ctx, 0.125), ref) < 4e-3

@@ -1,0 +1,273 @@
+"""Triton kernels of the paged KV cache (kernels/paged_kv.py): the write, and decode attention.
+
+Both see a head's channels as two halves, A and B: for fp16 and int8 blocks the first and the second
+half of head_dim, for int4 the even and the odd channels (the low and the high nibble of one byte).
+So an int4 block is read with one byte load per channel pair and never needs an interleave: q·k is
+q_A·k_A + q_B·k_B, and p·v fills the output's A and B channels separately.
+
+Decode attention (flash-decoding): one program per (sequence, kv head, partition). The program holds
+the query heads that share its kv head (GQA; padded to 16 rows for tl.dot) and walks its share of the
+context in tiles of BLOCK_N tokens, looking up each token's block in the block table, dequantizing
+int8/int4 codes in registers, with an online softmax. A sequence's context is split evenly over the
+launch's partitions at run time, so the grid depends only on the batch size and the cache, never on
+the context lengths: the launch is the same in every replay of a CUDA graph. With more than one
+partition a second small kernel merges the partial results (each kept with its running max and sum).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+MIN_SCALE = 2.0**-14
+QMAX = {8: 255, 4: 15}
+
+
+@triton.jit
+def _round_half_even(y):
+    """torch.round: to nearest, ties to even (libdevice.rint has no interpreter implementation)."""
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _halves(offs_i, HALF: tl.constexpr, BITS: tl.constexpr):
+    """Channel indices of halves A and B in a head of 2 * HALF channels (see the module docstring)."""
+    if BITS == 4:
+        return 2 * offs_i, 2 * offs_i + 1
+    else:
+        return offs_i, offs_i + HALF
+
+
+@triton.jit
+def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_ptr, kv_heads,
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    hmask = offs_h < kv_heads
+    mask = hmask[:, None] & (offs_i < HALF)[None, :]
+    ca, cb = _halves(offs_i, HALF, BITS)
+    src = x_ptr + t * stride_t + offs_h[:, None] * stride_h
+    xa = tl.load(src + ca[None, :], mask=mask, other=0.0)
+    xb = tl.load(src + cb[None, :], mask=mask, other=0.0)
+    if BITS == 16:
+        dst = codes_ptr + (slot * kv_heads + offs_h[:, None]) * (2 * HALF)
+        tl.store(dst + ca[None, :], xa.to(codes_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + cb[None, :], xb.to(codes_ptr.dtype.element_ty), mask=mask)
+    else:
+        qmax: tl.constexpr = 255.0 if BITS == 8 else 15.0
+        xa, xb = xa.to(tl.float32), xb.to(tl.float32)
+        # padding lanes hold 0, which the range includes anyway
+        lo = tl.minimum(tl.minimum(tl.min(xa, axis=1), tl.min(xb, axis=1)), 0.0)
+        hi = tl.maximum(tl.maximum(tl.max(xa, axis=1), tl.max(xb, axis=1)), 0.0)
+        scale = tl.maximum(tl.math.div_rn(hi - lo, qmax), 2.0**-14)
+        scale = (scale * (1.0 + 2.0**-10)).to(tl.float16).to(tl.float32)  # rounded up: see paged_kv
+        zero = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(-lo, scale)), 0.0), qmax)
+        qa = _round_half_even(tl.math.div_rn(xa, scale[:, None])) + zero[:, None]
+        qb = _round_half_even(tl.math.div_rn(xb, scale[:, None])) + zero[:, None]
+        qa = tl.minimum(tl.maximum(qa, 0.0), qmax).to(tl.uint8)
+        qb = tl.minimum(tl.maximum(qb, 0.0), qmax).to(tl.uint8)
+        row = slot * kv_heads + offs_h
+        if BITS == 4:
+            tl.store(codes_ptr + row[:, None] * HALF + offs_i[None, :], qa | (qb << 4), mask=mask)
+        else:
+            dst = codes_ptr + row[:, None] * (2 * HALF)
+            tl.store(dst + ca[None, :], qa, mask=mask)
+            tl.store(dst + cb[None, :], qb, mask=mask)
+        tl.store(scale_ptr + row, scale.to(tl.float16), mask=hmask)
+        tl.store(zero_ptr + row, zero.to(tl.uint8), mask=hmask)
+
+
+@triton.jit
+def write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kv_heads,
+                    stride_kt, stride_kh, stride_vt, stride_vh,
+                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        _write_one(k_ptr, stride_kt, stride_kh, t, slot, kc_ptr, ks_ptr, kz_ptr, kv_heads, HALF, BLOCK_H, BLOCK_HALF,
+                   BITS)
+        _write_one(v_ptr, stride_vt, stride_vh, t, slot, vc_ptr, vs_ptr, vz_ptr, kv_heads, HALF, BLOCK_H, BLOCK_HALF,
+                   BITS)
+
+
+def write_kv(cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Triton form of paged_kv.write_kv (same arguments)."""
+    t, kv_heads, d = k.shape
+    if t == 0:
+        return
+    if d % 2:
+        raise ValueError(f"the KV write kernel needs an even head_dim, not {d}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("write_kv needs k and v contiguous in their last dim")
+    bits = cache.bits
+    ks, kz, vs, vz = (cache.k, cache.k, cache.v, cache.v) if bits == 16 else (
+        cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
+    write_kv_kernel[(t,)](k, v, slot_mapping, cache.k, cache.v, ks, kz, vs, vz, kv_heads,
+                          k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                          HALF=d // 2, BLOCK_H=triton.next_power_of_2(kv_heads),
+                          BLOCK_HALF=triton.next_power_of_2(d // 2), BITS=bits, num_warps=4)
+
+
+@triton.jit
+def _load_tile(codes_ptr, scale_ptr, zero_ptr, row, offs_i, mask, nmask, out_dtype: tl.constexpr,
+               HALF: tl.constexpr, BITS: tl.constexpr):
+    """Halves A and B [BLOCK_N, BLOCK_HALF] of K or V for cache rows `row` (slot * kv_heads + head)."""
+    if BITS == 4:
+        byte = tl.load(codes_ptr + row[:, None] * HALF + offs_i[None, :], mask=mask, other=0)
+        a, b = byte & 0x0F, byte >> 4
+    else:
+        base = codes_ptr + row[:, None] * (2 * HALF) + offs_i[None, :]
+        a = tl.load(base, mask=mask, other=0)
+        b = tl.load(base + HALF, mask=mask, other=0)
+    if BITS == 16:
+        return a.to(out_dtype), b.to(out_dtype)
+    else:
+        scale = tl.load(scale_ptr + row, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        zero = tl.load(zero_ptr + row, mask=nmask, other=0).to(tl.float32)[:, None]
+        return (((a.to(tl.float32) - zero) * scale).to(out_dtype),
+                ((b.to(tl.float32) - zero) * scale).to(out_dtype))
+
+
+@triton.jit
+def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, ctx_ptr,
+                  out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qk_scale, kv_heads, heads, partitions,
+                  stride_qb, stride_qh, stride_bt,
+                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    dtype = q_ptr.dtype.element_ty
+    ctx = tl.load(ctx_ptr + b)
+    # this partition's share of the context: whole tiles, spread evenly over the partitions
+    tiles_per_part = tl.cdiv(tl.cdiv(ctx, BLOCK_N), partitions)
+    start = part * tiles_per_part * BLOCK_N
+    end = tl.minimum(start + tiles_per_part * BLOCK_N, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < GROUP
+    head = kvh * GROUP + offs_g
+    offs_i = tl.arange(0, BLOCK_HALF)
+    imask = offs_i < HALF
+    ca, cb = _halves(offs_i, HALF, BITS)
+    qmask = gmask[:, None] & imask[None, :]
+    q_row = q_ptr + b * stride_qb + head[:, None] * stride_qh
+    q_a = tl.load(q_row + ca[None, :], mask=qmask, other=0.0)
+    q_b = tl.load(q_row + cb[None, :], mask=qmask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_a = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
+    acc_b = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        block = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * kv_heads + kvh
+        mask = nmask[:, None] & imask[None, :]
+        k_a, k_b = _load_tile(kc_ptr, ks_ptr, kz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
+        s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
+        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_a, v_b = _load_tile(vc_ptr, vs_ptr, vz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
+        p = p.to(dtype)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a)
+        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b)
+        m_i = m_new
+
+    # an empty share (or a padded batch row with no context) leaves l = 0: its output is 0, not NaN
+    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
+    if SPLIT:
+        at = ((b * heads + head) * partitions + part)
+        dst = part_out_ptr + at[:, None] * (2 * HALF)
+        tl.store(dst + ca[None, :], acc_a * inv, mask=qmask)
+        tl.store(dst + cb[None, :], acc_b * inv, mask=qmask)
+        tl.store(part_m_ptr + at, m_i, mask=gmask)
+        tl.store(part_l_ptr + at, l_i, mask=gmask)
+    else:
+        dst = out_ptr + (b * heads + head[:, None]) * (2 * HALF)
+        tl.store(dst + ca[None, :], (acc_a * inv).to(dtype), mask=qmask)
+        tl.store(dst + cb[None, :], (acc_b * inv).to(dtype), mask=qmask)
+
+
+@triton.jit
+def merge_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, partitions, D: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = Σ_p w_p o_p / Σ_p w_p with w_p = l_p · 2^(m_p − max m): the partitions' softmax merged."""
+    bh = tl.program_id(0).to(tl.int64)  # b * heads + head
+    offs_p = tl.arange(0, BLOCK_P)
+    pmask = offs_p < partitions
+    m = tl.load(part_m_ptr + bh * partitions + offs_p, mask=pmask, other=float("-inf"))
+    l = tl.load(part_l_ptr + bh * partitions + offs_p, mask=pmask, other=0.0)
+    m_max = tl.max(tl.where(l > 0, m, -1e30), axis=0)
+    w = tl.where(l > 0, l * tl.exp2(m - m_max), 0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = tl.load(part_out_ptr + (bh * partitions + offs_p[:, None]) * D + offs_d[None, :],
+                mask=pmask[:, None] & (offs_d < D)[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + bh * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter on the CPU: a few partitions, so that CI runs the split path
+
+
+def num_partitions(batch: int, kv_heads: int, max_tokens: int, device: torch.device, block_n: int) -> int:
+    """Partitions per (sequence, kv head): enough for about 4 programs per SM, at most one per tile of
+    the longest context the block table can hold, and at most 64. Depends on no context length."""
+    want = math.ceil(4 * _sm_count(device) / (batch * kv_heads))
+    return max(1, min(want, math.ceil(max_tokens / block_n), 64))
+
+
+def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens: Tensor, sm_scale: float,
+                           partitions: int | None = None, block_n: int = 64) -> Tensor:
+    """Triton form of paged_kv.paged_decode_attention; `partitions` overrides `num_partitions`."""
+    batch, heads, d = q.shape
+    if d % 2:
+        raise ValueError(f"the paged decode kernel needs an even head_dim, not {d}")
+    kv_heads = cache.kv_heads
+    group = heads // kv_heads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(batch, heads, d, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if partitions is None:
+        max_tokens = block_tables.shape[1] * cache.block_size
+        partitions = num_partitions(batch, kv_heads, max_tokens, q.device, block_n)
+    split = partitions > 1
+    if split:
+        part_out = torch.empty(batch, heads, partitions, d, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(batch, heads, partitions, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out = part_m = part_l = out  # not read or written
+    bits = cache.bits
+    ks, kz, vs, vz = (cache.k, cache.k, cache.v, cache.v) if bits == 16 else (
+        cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
+    decode_kernel[(batch, kv_heads, partitions)](
+        q, cache.k, cache.v, ks, kz, vs, vz, block_tables, context_lens, out, part_out, part_m, part_l,
+        sm_scale * LOG2E, kv_heads, heads, partitions, q.stride(0), q.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HALF=d // 2,
+        BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_SIZE=cache.block_size, BLOCK_N=block_n,
+        BITS=bits, SPLIT=split, num_warps=4)
+    if split:
+        merge_kernel[(batch * heads,)](part_out, part_m, part_l, out, partitions, D=d,
+                                       BLOCK_P=triton.next_power_of_2(partitions),
+                                       BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    return out
