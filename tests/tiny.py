@@ -121,3 +121,22 @@ def llama_to_internlm2(llama_dir: Path, out_dir: Path) -> Path:
         if (llama_dir / f).exists():
             (out_dir / f).write_bytes((llama_dir / f).read_bytes())
     return out_dir
+
+
+def make_sentencepiece_tokenizer(directory: Path, **normalizer):
+    """A small sentencepiece BPE with byte fallback (characters outside its vocabulary become byte tokens),
+    trained on English and Chinese text, as a transformers fast tokenizer. `normalizer`: sentencepiece
+    trainer options (e.g. add_dummy_prefix=False)."""
+    import sentencepiece as spm
+
+    from quantkit.models.tokenizer_convert import sentencepiece_to_fast
+
+    zh = "上海是中国最大的城市之一人口超过两千万我们今天去公园散步天气很好模型把权重量化成整数每组一个比例缓存保存每个词元的键和值"
+    rng = random.Random(0)
+    lines = [line + " " + "".join(rng.choice(zh) for _ in range(rng.randint(4, 16))) + "。"
+             for line in make_text(1200, 3).splitlines()]
+    directory.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(directory / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=0.9995, minloglevel=2, **normalizer)
+    return sentencepiece_to_fast(directory / "tokenizer.model", {"add_bos_token": True})
