@@ -1,0 +1,225 @@
+"""The engine's decoder against transformers: packed prefill of prompts of different lengths over a
+paged KV cache, then decode steps one token at a time, for every family and rope scaling; quantkit
+exports against quantkit.load's transformers model of the same files."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.config import QuantizeConfig, WeightQuantConfig
+from quantkit.engine.attention import AttnMetadata, set_metadata
+from quantkit.engine.model import load_decoder
+from quantkit.engine.weights import _fuse_quant
+from quantkit.formats.awq_gemm import pack_awq_gemm
+from quantkit.formats.compressed_tensors import pack_compressed
+from quantkit.kernels import reference
+from quantkit.kernels.paged_kv import PagedKV
+from quantkit.nn import QuantLinear
+from tiny import TINY, make_tiny_model, make_tokenizer
+
+BLOCK = 16
+PROMPT_LENS = (5, 20, 14)  # 20 spans two blocks; 14 + 4 decode steps crosses into a second block
+DECODE_STEPS = 4
+
+
+def _prompts(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 300, (n,), generator=g) for n in PROMPT_LENS]
+    decode = [torch.randint(3, 300, (DECODE_STEPS,), generator=g) for _ in PROMPT_LENS]
+    return prompts, decode
+
+
+def _step(model, tables: torch.Tensor, new: list[torch.Tensor], past: list[int], decode: bool) -> list[torch.Tensor]:
+    """One engine step for every sequence: their new tokens packed, metadata set as the runner would."""
+    positions = torch.cat([torch.arange(p, p + len(t)) for p, t in zip(past, new)])
+    seq_of_token = torch.cat([torch.full((len(t),), b) for b, t in enumerate(new)])
+    slots = tables[seq_of_token, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    counts = torch.tensor([len(t) for t in new])
+    set_metadata(AttnMetadata(
+        slot_mapping=slots, block_tables=tables,
+        context_lens=torch.tensor([p + len(t) for p, t in zip(past, new)], dtype=torch.int32),
+        query_start=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
+        is_decode=decode,
+    ))
+    try:
+        logits = model.compute_logits(model(torch.cat(new), positions))
+    finally:
+        set_metadata(None)
+    return list(logits.split(counts.tolist()))
+
+
+def engine_logits(model, prompts, decode_tokens) -> list[list[torch.Tensor]]:
+    """Per sequence: [prefill logits [L, V], then one [1, V] per decode step]."""
+    per_seq = math.ceil((max(PROMPT_LENS) + DECODE_STEPS) / BLOCK)
+    tables = torch.arange(len(prompts) * per_seq, dtype=torch.int32).view(len(prompts), per_seq)
+    model.set_kv_caches([
+        PagedKV.allocate(tables.numel(), BLOCK, model.num_kv_heads, model.head_dim, 16, model.dtype, "cpu")
+        for _ in range(model.num_layers)
+    ])
+    out = [[x] for x in _step(model, tables, prompts, [0] * len(prompts), decode=False)]
+    past = [len(p) for p in prompts]
+    for i in range(DECODE_STEPS):
+        new = [d[i:i + 1] for d in decode_tokens]
+        for seq, x in zip(out, _step(model, tables, new, past, decode=True)):
+            seq.append(x)
+        past = [p + 1 for p in past]
+    return out
+
+
+def hf_logits(hf, prompts, decode_tokens) -> list[list[torch.Tensor]]:
+    """The same, from transformers one prompt at a time with its own cache (a fresh copy per prompt:
+    dynamic rope scaling keeps state between calls)."""
+    out = []
+    for prompt, dec in zip(prompts, decode_tokens):
+        m = copy.deepcopy(hf)
+        r = m(prompt[None], use_cache=True)
+        seq, cache = [r.logits[0]], r.cache
+        for tok in dec:
+            r = m(tok.view(1, 1), cache=cache, use_cache=True)
+            seq.append(r.logits[0])
+            cache = r.cache
+        out.append(seq)
+    return out
+
+
+def assert_same_logits(model, hf) -> None:
+    prompts, decode = _prompts()
+    with torch.no_grad():
+        got, want = engine_logits(model, prompts, decode), hf_logits(hf, prompts, decode)
+    for b, (g_seq, w_seq) in enumerate(zip(got, want)):
+        for step, (g, w) in enumerate(zip(g_seq, w_seq)):
+            err = (g - w.float()).abs().max() / w.abs().max()
+            assert err <= 1e-4, f"sequence {b}, {'prefill' if step == 0 else f'decode step {step}'}: rel. err {err:.2e}"
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_families_match_transformers(tiny_models, arch):
+    model, tok, gen = load_decoder(tiny_models[arch], "cpu", torch.float32)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (arch in ("qwen2", "qwen3"))
+    assert gen.eos_token_id == 2 and tok("the model")["input_ids"]
+    assert_same_logits(model, _hf(tiny_models[arch]))
+
+
+def test_internlm2_original_layout(tiny_models):
+    """The InternLM2 checkpoint holds the tiny llama's weights in wqkv/w1/w2/w3 form: same logits."""
+    model, _, _ = load_decoder(tiny_models["internlm2"], "cpu", torch.float32)
+    assert_same_logits(model, _hf(tiny_models["llama"]))
+
+
+def test_prefill_without_a_cache_matches_transformers(tiny_models):
+    """Before the runner allocates the KV pool (its warm-up forward), layers attend over the step's own K/V."""
+    model, _, _ = load_decoder(tiny_models["qwen3"], "cpu", torch.float32)
+    prompts, _ = _prompts()
+    tables = torch.zeros(len(prompts), 2, dtype=torch.int32)
+    with torch.no_grad():
+        got = _step(model, tables, prompts, [0] * len(prompts), decode=False)
+        hf = _hf(tiny_models["qwen3"])
+        for g, p in zip(got, prompts):
+            w = hf(p[None]).logits[0]
+            assert (g - w).abs().max() / w.abs().max() <= 1e-4
+
+
+def test_unsupported_rope_type_is_a_user_error():
+    from transformers import LlamaConfig
+
+    from quantkit.config import UserError
+    from quantkit.engine.layers import RotaryEmbedding
+
+    config = LlamaConfig(**{**TINY, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    with pytest.raises(UserError, match="rope type 'longrope' is not supported"):
+        RotaryEmbedding(config, 256)
+
+
+ROPE = {
+    "linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    # positions past max_position_embeddings, where dynamic NTK changes the base with the sequence's length
+    "dynamic": dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                    max_position_embeddings=16),
+    "llama3": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                    "rope_theta": 10000.0}),
+    "yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "rope_theta": 10000.0}),
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_rope_scaling_matches_transformers(tmp_path, rope):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{**TINY, "tie_word_embeddings": False, **ROPE[rope]})
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.load_state_dict(make_tiny_model("llama").state_dict())
+    hf.save_pretrained(str(tmp_path))
+    make_tokenizer().save_pretrained(str(tmp_path))
+    model, _, _ = load_decoder(tmp_path, "cpu", torch.float32)
+    assert model.model.rotary_emb.dynamic == (rope == "dynamic")
+    assert_same_logits(model, hf)
+
+
+EXPORTS = {
+    "llama-awq-w4g32": ("llama", QuantizeConfig(method="rtn", weight=WeightQuantConfig(4, 32))),
+    "qwen2-ct-w4g32": ("qwen2", QuantizeConfig(method="rtn", weight=WeightQuantConfig(4, 32), format="compressed-tensors")),
+    "llama-int8": ("llama", QuantizeConfig(method="int8", weight=WeightQuantConfig(8, -1, True))),
+}
+
+
+@pytest.mark.parametrize("export", list(EXPORTS))
+def test_quantkit_export_matches_quantkit_load(tiny_models, tmp_path, export):
+    arch, cfg = EXPORTS[export]
+    out = quantkit.quantize(str(tiny_models[arch]), cfg, work_dir=tmp_path / "q", progress=False).work_dir
+    model, _, _ = load_decoder(out, "cpu", torch.float32)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert layer.self_attn.qkv_proj.out_features == (4 + 2 * 2) * 16
+    assert (layer.self_attn.qkv_proj.bias is not None) == (arch == "qwen2")
+    hf, _ = quantkit.load(out, device="cpu")
+    assert_same_logits(model, hf)
+
+
+def _parts(layout: str, outs: tuple[int, ...], in_f: int = 64, group: int = 32):
+    g = torch.Generator().manual_seed(1)
+    parts = []
+    for out_f in outs:
+        q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
+        zeros = torch.randint(0, 16, (out_f, in_f // group), generator=g, dtype=torch.int32)
+        scales = torch.rand(out_f, in_f // group, generator=g) * 0.1 + 0.01
+        if layout == "awq":
+            parts.append(pack_awq_gemm(q, zeros, scales))
+        else:
+            parts.append(pack_compressed(q, zeros, scales, 4, symmetric=False))
+        parts[-1]["bias"] = torch.randn(out_f, generator=g)
+    return parts
+
+
+def _dequantized(tensors: dict, layout: str, group: int = 32) -> torch.Tensor:
+    if layout == "awq":
+        return reference.dequantize_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], group)
+    out_f, in_f = tensors["weight_shape"].tolist()
+    return reference.dequantize_packed(tensors["weight_packed"], tensors["weight_scale"],
+                                       tensors.get("weight_zero_point"), out_f, in_f, 4, group)
+
+
+@pytest.mark.parametrize("layout,outs", [("awq", (32, 16, 24)), ("packed", (32, 16, 24)), ("packed", (12, 20))])
+def test_fused_quant_linear_is_its_parts_stacked(layout, outs):
+    """Output rows of the fused layer are the parts' rows in order (zero points of 12- and 20-row parts
+    share packed words, so they are repacked)."""
+    parts = _parts(layout, outs)
+    fused = _fuse_quant(parts, 4, torch.float32)
+    want = torch.cat([_dequantized(p, layout) for p in parts])
+    assert fused.out_features == sum(outs)
+    torch.testing.assert_close(fused.dequantized_weight(), want, rtol=0, atol=0)
+    torch.testing.assert_close(fused.bias, torch.cat([p["bias"] for p in parts]))
