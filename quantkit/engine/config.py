@@ -88,8 +88,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in self.stop if s]
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.stop = [s for s in self.stop or [] if s]
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
 
     @property
     def is_resolved(self) -> bool:

@@ -31,7 +31,7 @@ class TokenLogprobs:
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """HF's repetition penalty over the prompt and the output; OpenAI's presence / frequency penalties over
-    the output. In place on the rows of sequences that set any."""
+    the output. Returns logits itself when no sequence sets any, else a penalised copy."""
     rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
             or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
     if not rows:
@@ -44,6 +44,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     presence = torch.tensor([s.params.presence_penalty for s in sub], device=dev)[:, None]
     frequency = torch.tensor([s.params.frequency_penalty for s in sub], device=dev)[:, None]
     x = logits[rows]
+    logits = logits.clone()
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - presence * (counts > 0) - frequency * counts
     logits[rows] = x
@@ -87,7 +88,7 @@ class Sampler:
         per-sequence TokenLogprobs or None where the request did not ask)."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         raw = logits
-        logits = apply_penalties(logits.clone(), seqs)
+        logits = apply_penalties(logits, seqs)
         temps = [s.params.temperature for s in seqs]
         greedy_ids = logits.argmax(dim=1)
         if all(t < GREEDY_BELOW for t in temps):
@@ -115,14 +116,14 @@ class Sampler:
     def _exponential(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Exp(1) noise of probs' shape: seeded rows from their own generators, the rest from a shared one."""
         if self.generator is None or self.generator.device != probs.device:
-            self.generator = torch.Generator(probs.device)
+            self.generator = torch.Generator(device=probs.device)
             self.generator.seed()
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.params.seed is None or seq.params.temperature < GREEDY_BELOW:
                 continue
             if seq.generator is None:
-                seq.generator = torch.Generator(probs.device).manual_seed(seq.params.seed)
+                seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed)
             q[i].exponential_(generator=seq.generator)
         return q.clamp_(min=1e-10)
 

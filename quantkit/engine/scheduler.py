@@ -50,13 +50,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: Optional[int] = None) -> None:
+        """max_model_len: the model's limit (its max_position_embeddings) when config.max_model_len is unset."""
         self.config = config
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         pool_tokens = block_manager.num_blocks * self.block_size
         # A sequence stops growing ("length") here, so it can always finish alone in the pool.
-        self.max_len = min(config.max_model_len or pool_tokens, pool_tokens)
+        self.max_len = min(config.max_model_len or max_model_len or pool_tokens, pool_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order: the newest is last
         self.num_preemptions = 0

@@ -188,8 +188,8 @@ def sequence_with(prompt_len: int, **params) -> Sequence:
     return Sequence(list(range(prompt_len)), SamplingParams(**params).with_defaults(None))
 
 
-def run_counting(seq: Sequence, num_blocks: int = 64, **config) -> Scheduler:
-    scheduler = make_scheduler(num_blocks=num_blocks, **config)
+def run_counting(seq: Sequence, num_blocks: int = 64, model_len=None, **config) -> Scheduler:
+    scheduler = Scheduler(EngineConfig(block_size=4, **config), BlockManager(num_blocks, 4), max_model_len=model_len)
     scheduler.add(seq)
     while scheduler.has_unfinished():
         batch = scheduler.schedule()
@@ -217,6 +217,9 @@ def test_a_sequence_stops_at_the_pool_or_max_model_len():
     seq = sequence_with(5, max_tokens=100)
     run_counting(seq, max_model_len=9)
     assert len(seq) == 9 and seq.finish_reason == "length"
+    seq = sequence_with(5, max_tokens=100)
+    run_counting(seq, model_len=10)                      # the model's own limit, when the config sets none
+    assert len(seq) == 10 and seq.finish_reason == "length"
 
 
 def test_a_prompt_the_pool_cannot_hold_is_refused():
