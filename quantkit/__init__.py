@@ -4,7 +4,8 @@
     from quantkit import QuantizeConfig, WeightQuantConfig
     quantkit.quantize("MODEL_DIR", QuantizeConfig(method="rtn"), work_dir="OUT")
     model, tok = quantkit.load("OUT")
-    print(quantkit.pipeline("OUT")(["Hi, pls intro yourself"]))
+    pipe = quantkit.pipeline("OUT", quantkit.EngineConfig(kv_bits=8))   # on the inference engine
+    print(pipe(["Hi, pls intro yourself", "上海是"]))
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import quantkit.quantize as _quantize_pkg  # noqa: E402,F401
 __all__ = [
     "AWQConfig", "CalibConfig", "ConfigError", "KVQuantConfig", "QuantizeConfig", "WeightQuantConfig",
     "build_config", "load_recipe", "load", "pipeline", "quantize", "__version__",
+    "Engine", "EngineConfig", "SamplingParams",
 ]
 
 
@@ -49,7 +51,16 @@ def load(*args: Any, **kwargs: Any):
 
 
 def pipeline(*args: Any, **kwargs: Any):
-    """See `quantkit.runtime.pipeline.pipeline`."""
-    from quantkit.runtime.pipeline import pipeline as _pipeline
+    """See `quantkit.engine.pipeline.pipeline`: batch generation and streaming on the engine."""
+    from quantkit.engine.pipeline import pipeline as _pipeline
 
     return _pipeline(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """The engine's API (`quantkit.Engine`, `EngineConfig`, `SamplingParams`), imported when first used."""
+    if name in ("Engine", "EngineConfig", "SamplingParams"):
+        import quantkit.engine as _engine
+
+        return getattr(_engine, name)
+    raise AttributeError(f"module 'quantkit' has no attribute {name!r}")

@@ -11,6 +11,7 @@ samples one token for each sequence that finished its prompt or decoded, and ret
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ class Engine:
     def _start(self, model: Any, tokenizer: Any, generation_config: Any, config: EngineConfig) -> None:
         self.model, self.tokenizer, self.generation_config, self.config = model, tokenizer, generation_config, config
         self.runner = ModelRunner(model, config)
+        # The scheduler stops sequences at the context the runner resolved (config, else the model's).
+        config = self.config = dataclasses.replace(config, max_model_len=self.runner.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
@@ -200,7 +203,14 @@ class Engine:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.add_request(p, sp))
+        except UserError as exc:  # a bad prompt refuses the whole batch: none of it stays queued
+            for i in ids:
+                self.abort(i)
+            raise UserError(f"prompt {len(ids) + 1}: {exc}") if len(prompts) > 1 else exc from None
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         final: dict[str, RequestOutput] = {}

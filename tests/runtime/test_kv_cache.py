@@ -156,8 +156,8 @@ def test_load_and_pipeline_use_the_quantized_cache(checkpoint):
     out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, "cache", None) or out.past_key_values
     assert isinstance(cache, QuantizedKVCache) and cache.get_seq_length() == ids.shape[1] + 2
-    pipe = quantkit.pipeline(checkpoint, kv_bits=8, device="cpu")
-    assert kv_cache_factory(pipe.model).settings.bits == 8
+    pipe = quantkit.pipeline(checkpoint, kv_bits=8, device="cpu")  # on the engine: its paged pool holds int8
+    assert all(layer.self_attn.attn.kv_cache.bits == 8 for layer in pipe.engine.model.model.layers)
     assert pipe(["the model"], max_new_tokens=4)[0].generated_tokens > 0
     with pytest.raises(ConfigError):
         quantkit.load(checkpoint, device="cpu", kv_bits=3)
