@@ -3,8 +3,9 @@
 The rotary embedding keeps one table `cos_sin` [positions, rotary_dim] (the cos and sin halves side
 by side, transformers' `attention_scaling` folded in) that a position indexes, so the decode step
 reads rows of a fixed tensor (CUDA-graph safe). Dynamic NTK scaling depends on how long the sequence
-is, not only on the position, so its rows are computed per token from the sequence's length at this
-step — what transformers does when it runs one sequence at a time.
+is, not only on the position, so its rows are computed per token, once per forward, from the length
+of the token's sequence at this step — what transformers does when it runs one sequence at a time
+(its keys are cached rotated, as here).
 """
 
 from __future__ import annotations
@@ -46,10 +47,9 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def inverse_frequencies(config: Any, seq_len: torch.Tensor | None = None, device=None) -> tuple[torch.Tensor, float, int]:
-    """inv_freq [rotary_dim/2] (or [N, rotary_dim/2] for a [N, 1] `seq_len` under dynamic scaling),
-    attention scaling, rotary_dim — from transformers' own rope functions, so every scaling variant
-    means what it means there."""
+def inverse_frequencies(config: Any) -> tuple[torch.Tensor, float, int]:
+    """inv_freq [rotary_dim/2], attention scaling, rotary_dim — from transformers' own rope functions,
+    so every scaling variant means what it means there (dynamic: at the original context length)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = rope_parameters(config)
@@ -63,8 +63,7 @@ def inverse_frequencies(config: Any, seq_len: torch.Tensor | None = None, device
     if rope_type not in _TABLE_TYPES + ("dynamic",):
         raise UserError(f"rope type {rope_type!r} is not supported by the engine; supported: "
                         f"{', '.join(_TABLE_TYPES + ('dynamic',))} (use quantkit.load for this model)")
-    kwargs = {"seq_len": seq_len} if seq_len is not None else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, **kwargs)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling), rotary_dim
 
 
@@ -74,28 +73,41 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) ->
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k in place on their first `rotary_dim` channels (transformers' rotate_half layout)."""
+    """Rotates q and k in place on their first `rotary_dim` channels (transformers' rotate_half layout).
+
+    `rows(positions, seq_lens)` gives, once per forward, the table and the row of each token that
+    every layer's `forward` then reads."""
 
     def __init__(self, config: Any, max_positions: int) -> None:
         super().__init__()
-        self.config = config
-        self.dynamic = rope_parameters(config)["rope_type"] == "dynamic"
+        params = rope_parameters(config)
+        self.dynamic = params["rope_type"] == "dynamic"
         inv_freq, scaling, self.rotary_dim = inverse_frequencies(config)
-        self.register_buffer(
-            "cos_sin", _cos_sin(torch.arange(max_positions), inv_freq, scaling), persistent=False
-        )
+        self.register_buffer("cos_sin", _cos_sin(torch.arange(max_positions), inv_freq, scaling), persistent=False)
+        if self.dynamic:
+            # transformers' dynamic NTK formula (_compute_dynamic_ntk_parameters), written with tensor ops
+            # only so that a decode step stays capturable in a CUDA graph.
+            self.base, self.factor = float(params["rope_theta"]), float(params["factor"])
+            self.original_max = config.max_position_embeddings
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim
+            self.register_buffer("exponents", exponents, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                seq_lens: torch.Tensor | None = None) -> None:
-        """q [T, heads, D], k [T, kv_heads, D]; `seq_lens` [T]: the length of each token's sequence
-        at this step (read by dynamic scaling only)."""
+    def rows(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos_sin table, row index [T]); `seq_lens` [T] (the length of each token's sequence at this
+        step) is read by dynamic scaling only."""
         if not self.dynamic:
-            fused.apply_rope_(q, k, positions, self.cos_sin, self.rotary_dim)
-            return
+            return self.cos_sin, positions
         if seq_lens is None:
             raise ValueError("dynamic rope scaling needs each token's sequence length")
-        inv_freq, scaling, _ = inverse_frequencies(self.config, seq_lens.to(torch.float)[:, None], positions.device)
+        length = seq_lens.to(torch.float).clamp_min(self.original_max)
+        dim = self.rotary_dim
+        base = self.base * (self.factor * length / self.original_max - (self.factor - 1)) ** (dim / (dim - 2))
+        inv_freq = 1.0 / base[:, None] ** self.exponents
         freqs = positions.float()[:, None] * inv_freq
-        cos_sin = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
-        rows = torch.arange(positions.shape[0], device=positions.device)
-        fused.apply_rope_(q, k, rows, cos_sin, self.rotary_dim)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        return table, torch.arange(positions.shape[0], device=positions.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """q [T, heads, D], k [T, kv_heads, D]; `rows` from `rows()`."""
+        table, index = rows
+        fused.apply_rope_(q, k, index, table, self.rotary_dim)

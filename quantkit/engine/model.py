@@ -52,7 +52,7 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, seq_lens: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -60,7 +60,7 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary(positions, q, k, seq_lens)
+        self.rotary(q, k, rope_rows)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -89,13 +89,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, positions, hidden, residual, seq_lens):
+    def forward(self, hidden, residual, rope_rows):
         # The residual stream is added inside the norms (one fused op each) rather than after each sub-block.
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, seq_lens)
+        hidden = self.self_attn(hidden, rope_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -111,9 +111,10 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         seq_lens = get_metadata().token_seq_lens() if self.rotary_emb.dynamic else None
+        rope_rows = self.rotary_emb.rows(positions, seq_lens)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, seq_lens)
+            hidden, residual = layer(hidden, residual, rope_rows)
         return self.norm(hidden, residual)[0]
 
 
@@ -159,8 +160,8 @@ class DecoderModel(nn.Module):
 
 def load_decoder(path: str | Path, device: Optional[str | torch.device] = None,
                  dtype: Optional[torch.dtype] = None) -> tuple[DecoderModel, Any, Any]:
-    """(model, tokenizer, generation_config) for an fp16/bf16/fp32 HF directory (InternLM2 converted),
-    a quantkit export (AWQ gemm, compressed-tensors W4/W8) or a .gguf file.
+    """(model, tokenizer, generation_config) for an fp16/bf16/fp32 HF directory (InternLM2 converted)
+    or a quantkit export (AWQ gemm, compressed-tensors W4/W8).
 
     `device` defaults to CUDA when present; `dtype` (activations and unquantized weights) to float16
     on CUDA and float32 on the CPU."""
@@ -170,11 +171,11 @@ def load_decoder(path: str | Path, device: Optional[str | torch.device] = None,
     check_device(None if device is None else str(device))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    ckpt = weights.open_checkpoint(Path(path), dtype)
+    ckpt = weights.open_checkpoint(Path(path))
     with torch.device("meta"):
         model = DecoderModel(ckpt.config)
     weights.load_weights(model, ckpt, device, dtype)
     model.model.rotary_emb.to(device)
     model.eval().requires_grad_(False)
-    tokenizer = _load_tokenizer(ckpt.directory, ckpt.gguf_file)
+    tokenizer = _load_tokenizer(ckpt.directory)
     return model, tokenizer, weights.generation_config(ckpt)

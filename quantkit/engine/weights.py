@@ -1,8 +1,8 @@
 """Checkpoint → DecoderModel: reads a checkpoint a layer at a time and fuses q/k/v and gate/up.
 
 Sources: a full-precision HF directory (safetensors or .bin; InternLM2 renamed and its wqkv split by
-models/internlm2.py), a quantkit export (AWQ gemm or compressed-tensors pack-quantized: QuantLinear
-layers), or a .gguf file (dequantized by transformers). Fusing concatenates along the output
+models/internlm2.py) or a quantkit export (AWQ gemm or compressed-tensors pack-quantized: QuantLinear
+layers). Fusing concatenates along the output
 dimension, whose position differs per layout: AWQ gemm packs it along dim 1 of qweight/qzeros/scales,
 compressed-tensors along dim 0 of weight_packed/weight_scale/weight_zero_point.
 """
@@ -38,29 +38,16 @@ class Checkpoint:
     reader: Any  # names() and read(names) → {name: tensor}
     convert: Optional[Callable[[dict], dict]] = None  # to Llama names (InternLM2)
     quant: Optional[dict] = None  # quantization_config of a quantkit export
-    gguf_file: Optional[str] = None
 
 
-class _DictReader:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def read(self, names) -> dict[str, torch.Tensor]:
-        return {n: self.tensors[n] for n in names}
-
-
-def open_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
+def open_checkpoint(path: Path) -> Checkpoint:
     from transformers import AutoConfig, LlamaConfig
 
-    if path.is_file() and path.suffix == ".gguf":
-        from quantkit.models.loading import load_fp_model
-
-        loaded = load_fp_model(path, dtype)
-        return Checkpoint(path.parent, loaded.model.config, _DictReader(dict(loaded.model.state_dict())),
-                          gguf_file=path.name)
+    if not path.exists():
+        raise ModelLoadError(f"{path} does not exist: pass a Hugging Face model directory or a quantkit export")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a model directory: the engine runs a Hugging Face directory or a "
+                             "quantkit export (quantize a .gguf file first, or use quantkit.load)")
     cfg = read_config_json(path)
     spec = spec_for_config(cfg)  # an unsupported architecture fails here, with the list of supported ones
     if spec.name == "internlm2":
@@ -134,7 +121,7 @@ def _fuse_quant(parts: list[dict[str, torch.Tensor]], bits: int, dtype: torch.dt
             q, z, s = (torch.cat([u[i] for u in unpacked], dim=0) for i in range(3))
             tensors = compressed_tensors.pack_compressed(q, z, s, bits, symmetric)
             tensors["weight_scale"] = s
-        tensors["weight_shape"] = torch.tensor([sum(outs), in_f], dtype=torch.int64)
+        tensors["weight_shape"] = torch.tensor([sum(outs), in_f], dtype=torch.int64, device=tensors["weight_packed"].device)
         layer = QuantLinear(in_f, sum(outs), bits, in_f // tensors["weight_scale"].shape[1], layout="packed",
                             symmetric=symmetric, bias=biases[0] is not None, device="meta")
     if biases[0] is not None:
@@ -172,8 +159,12 @@ def _load_linear(parent: nn.Module, child: str, full_name: str, tensors: dict, b
     if len(kinds) > 1:
         raise ModelLoadError(f"{where}: {', '.join(sources)} are not all quantized alike; the engine runs them as "
                              "one layer: quantize all of them or none")
-    quantized = kinds.pop()
-    setattr(parent, child, _fuse_quant(parts, bits, dtype) if quantized else _fuse_fp(parts, dtype))
+    layer = _fuse_quant(parts, bits, dtype) if kinds.pop() else _fuse_fp(parts, dtype)
+    old = getattr(parent, child)
+    if (layer.in_features, layer.out_features) != (old.in_features, old.out_features):
+        raise ModelLoadError(f"{where}: {', '.join(sources)} map {layer.in_features} → {layer.out_features} features, "
+                             f"the config says {old.in_features} → {old.out_features}")
+    setattr(parent, child, layer)
 
 
 def _load_module_tensors(model: nn.Module, names: list[str], tensors: dict, ckpt: Checkpoint, device, dtype) -> None:
@@ -203,7 +194,7 @@ def _leaf_modules(model: nn.Module, prefix: str) -> list[str]:
     for name, module in model.named_modules():
         if not name.startswith(prefix) or "rotary" in name:
             continue
-        if isinstance(module, nn.Linear) or (list(module.parameters(recurse=False)) and not isinstance(module, QuantLinear)):
+        if isinstance(module, nn.Linear) or list(module.parameters(recurse=False)):
             out.append(name)
     return out
 

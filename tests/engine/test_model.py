@@ -223,3 +223,27 @@ def test_fused_quant_linear_is_its_parts_stacked(layout, outs):
     assert fused.out_features == sum(outs)
     torch.testing.assert_close(fused.dequantized_weight(), want, rtol=0, atol=0)
     torch.testing.assert_close(fused.bias, torch.cat([p["bias"] for p in parts]))
+
+
+def test_incomplete_or_mismatched_checkpoints_are_user_errors(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.models.loading import ModelLoadError
+
+    src = tiny_models["llama"]
+    sd = load_file(str(src / "model.safetensors"))
+    for name, change, message in (
+        ("no_up", lambda d: d.pop("model.layers.1.mlp.up_proj.weight"), "no tensors for model.layers.1.mlp.up_proj"),
+        ("short_k", lambda d: d.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)}),
+         "map 64 → 112 features, the config says 64 → 128"),
+    ):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_bytes((src / "config.json").read_bytes())
+        tensors = dict(sd)
+        change(tensors)
+        save_file(tensors, str(d / "model.safetensors"))
+        with pytest.raises(ModelLoadError, match=message):
+            load_decoder(d, "cpu", torch.float32)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_decoder(tmp_path / "nowhere", "cpu")
