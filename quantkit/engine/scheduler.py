@@ -84,8 +84,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """End seq (a stop string found by the detokenizer, an abort, or a stop token / length in
-        `postprocess`) and give its blocks back."""
+        `postprocess`) and give its blocks back. A stop string in the text of a step that also reached the
+        length limit makes the reason "stop", as the text was cut there."""
         if seq.is_finished:
+            if reason == "stop" and seq.finish_reason == "length":
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
         seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
         if seq in self.running:

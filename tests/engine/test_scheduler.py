@@ -226,3 +226,14 @@ def test_a_prompt_the_pool_cannot_hold_is_refused():
     scheduler = make_scheduler(num_blocks=3)
     with pytest.raises(UserError, match="prompt has 12 tokens"):
         scheduler.add(Sequence(list(range(12))))
+
+
+def test_a_stop_string_on_the_last_allowed_token_reports_stop():
+    seq = sequence_with(5, max_tokens=2)
+    scheduler = run_counting(seq)
+    assert seq.finish_reason == "length"
+    scheduler.finish(seq, "stop", "6")                   # the detokenizer found a stop string in that token's text
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", "6")
+    scheduler.finish(seq, "abort")
+    assert seq.finish_reason == "stop"
+    assert_pool_empty(scheduler)
