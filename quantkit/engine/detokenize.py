@@ -63,7 +63,8 @@ class IncrementalDetokenizer:
 
     def _ended_by_stop_token(self) -> bool:
         seq = self.seq
-        return seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and seq.token_ids[-1] in seq.stop_ids
+        by_string = isinstance(seq.stop_reason, str)
+        return seq.finish_reason == "stop" and not by_string and seq.token_ids[-1] in seq.stop_ids
 
     def _decode(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self.seq.token_ids[start:end], skip_special_tokens=self.skip_special_tokens,

@@ -83,7 +83,8 @@ class Sampler:
     def __init__(self) -> None:
         self.generator: Optional[torch.Generator] = None  # shared by the unseeded requests
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Optional[TokenLogprobs]]]:
+    def __call__(self, logits: torch.Tensor,
+                 seqs: list[Sequence]) -> tuple[torch.Tensor, list[Optional[TokenLogprobs]]]:
         """logits [N, vocab] float32 of the N sequences' last tokens → (token ids [N] int64 on the device,
         per-sequence TokenLogprobs or None where the request did not ask)."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
@@ -134,7 +135,7 @@ class Sampler:
             return [None] * len(seqs)
         logp = raw.float().log_softmax(dim=1)
         chosen = logp.gather(1, token_ids[:, None]).squeeze(1).tolist()
-        k_max = max(k for k in wanted if k is not None)
+        k_max = min(max(k for k in wanted if k is not None), logp.shape[1])
         top_vals, top_ids = logp.topk(k_max, dim=1) if k_max else (logp[:, :0], token_ids[:, None][:, :0])
         top_vals, top_ids, ids = top_vals.tolist(), top_ids.tolist(), token_ids.tolist()
         return [None if k is None else TokenLogprobs(ids[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])))

@@ -158,7 +158,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: Seq[int], logprobs: Optional[list] = None) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, token_ids: Seq[int],
+                    logprobs: Optional[list] = None) -> list[Sequence]:
         """Account one computed step. `token_ids` (and `logprobs`, when given) hold one entry per sequence of
         `batch.sampled`, in order. Appends each sampled token, finishes sequences on a stop token ("stop"),
         max_tokens or the length limit ("length"), frees their blocks, and returns the sampled sequences."""

@@ -143,7 +143,8 @@ def test_sampling_params_take_the_generation_config_defaults():
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.6, 0.5, 20, 1.05, 64)
     assert p.eos_token_ids == [2, 7] and p.min_p == 0.0
     plain = SamplingParams().with_defaults(None, eos_token_id=2)   # no generation config: built-ins, tokenizer EOS
-    assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens, plain.eos_token_ids) == (1.0, 1.0, 0, 256, [2])
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, 0, 256)
+    assert plain.eos_token_ids == [2]
     greedy = SamplingParams().with_defaults(GenerationConfig(do_sample=False, eos_token_id=2))
     assert greedy.temperature == 0.0
     s = Sequence([1], SamplingParams(temperature=0.5, stop_token_ids=[9]).with_defaults(gen))
