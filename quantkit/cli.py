@@ -265,6 +265,79 @@ def awq(
         "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None, "awq.rounding": rounding})
 
 
+# --- the engine: `quantkit chat`, `quantkit bench latency|throughput` ---
+
+ENGINE_KV_BITS = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and head).")
+CACHE_FRACTION = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of the GPU memory free after the "
+                              "weights that the KV pool takes.")
+
+
+@app.command()
+def chat(
+    model: str = typer.Argument(..., help="An HF model directory or a quantkit checkpoint."),
+    kv_bits: int = ENGINE_KV_BITS,
+    cache_max_entry_count: float = CACHE_FRACTION,
+    system: str | None = typer.Option(None, "--system", help="A system prompt for the conversation."),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Most tokens per answer."),
+    temperature: float | None = typer.Option(None, "--temperature", help="0 means greedy (default: the model's "
+                                             "generation_config.json, else 1.0)."),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass (default: the model's)."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k likeliest tokens (default: the model's)."),
+    device: str | None = DEVICE,
+) -> None:
+    """Chat in the terminal: streamed answers, multi-turn history; 'exit' leaves, 'clear' starts over."""
+    from quantkit.engine import EngineConfig, SamplingParams
+    from quantkit.engine.chat import chat as run_chat
+
+    check_device(device)
+    run_chat(model, EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, device=device),
+             SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k), system)
+
+
+bench_app = typer.Typer(help="Engine speed on random-weight models of real shapes.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+SHAPE = typer.Option("llama2-7b", "--shape", help="llama2-7b, llama3-8b or internlm2-1.8b (random weights).")
+WEIGHTS = typer.Option("w4", "--weights", help="w4 (4-bit, group 128) or fp16.")
+TINY = typer.Option(False, "--tiny", help="A tiny shape on the CPU (a smoke test of the benchmark itself).")
+
+
+@bench_app.command("latency")
+def bench_latency(
+    shape: str = SHAPE,
+    weights: str = WEIGHTS,
+    kv_bits: int = ENGINE_KV_BITS,
+    prompt_len: int = typer.Option(32, "--input-len", help="Prompt tokens."),
+    output_len: int = typer.Option(256, "--output-len", help="New tokens timed after the first."),
+    tiny: bool = TINY,
+    as_json: bool = AS_JSON,
+) -> None:
+    """Batch-1 decode tokens/s (the prompt excluded)."""
+    from quantkit.engine.benchmark import BenchSetup, latency, print_rows
+
+    row = latency(BenchSetup(shape, weights, kv_bits, tiny), prompt_len, output_len)
+    typer.echo(json.dumps(row, indent=2)) if as_json else print_rows([row])
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    shape: str = SHAPE,
+    weights: str = WEIGHTS,
+    kv_bits: int = ENGINE_KV_BITS,
+    num_prompts: int = typer.Option(512, "--num-prompts", help="Requests, all submitted at once."),
+    input_len: int = typer.Option(512, "--input-len", help="Prompt tokens per request."),
+    output_len: int = typer.Option(128, "--output-len", help="New tokens per request."),
+    cache_max_entry_count: float = CACHE_FRACTION,
+    tiny: bool = TINY,
+    as_json: bool = AS_JSON,
+) -> None:
+    """Output tokens/s for N requests of fixed input and output lengths (vLLM's benchmark_throughput)."""
+    from quantkit.engine.benchmark import BenchSetup, print_rows, throughput
+
+    row = throughput(BenchSetup(shape, weights, kv_bits, tiny, cache_max_entry_count), num_prompts, input_len,
+                     output_len)
+    typer.echo(json.dumps(row, indent=2)) if as_json else print_rows([row])
+
+
 INTERRUPTED = "interrupted; nothing was written"
 
 
