@@ -1,0 +1,123 @@
+"""The paged KV cache's Triton kernels (kernels/triton_paged.py) on the GPU at real shapes, against the
+torch reference (kernels/paged_kv.py with QUANTKIT_KERNEL=reference) run on the same GPU.
+
+Llama-2-7B (32 heads of 128, MHA) and Llama-3-8B (32 query heads over 8 KV heads) decode attention at
+batch 1 and 32, contexts up to 100, 4096 and 8192 tokens, fp16/int8/int4 blocks; random K/V/Q (never
+zeros) written by the Triton write kernel into blocks handed out in a random order. The write itself
+must give the reference's codes, scales and zeros byte for byte; the decode is also captured in a
+CUDA graph and replayed with other context lengths (its grid must not depend on them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_checks import capture, rel_err
+from quantkit.kernels.paged_kv import PagedKV, paged_decode_attention, write_kv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BLOCK = 16
+SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # heads, kv heads, head_dim
+# fp16 probabilities in p·v cost about 1e-3; int codes are dequantized exactly as the reference does
+TOL = 5e-3
+
+
+def context_lens(batch: int, longest: int, g: torch.Generator) -> torch.Tensor:
+    """The longest context once, the others drawn from [longest / 2, longest] (partial blocks)."""
+    lens = torch.randint(max(1, longest // 2), longest + 1, (batch,), generator=g)
+    lens[0] = longest
+    return lens.int()
+
+
+def filled_cache(lens: torch.Tensor, kv_heads: int, head_dim: int, bits: int, seed: int):
+    """(cache, block tables [B, max_blocks] int32 on the GPU) with every context's K/V written."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(int(n) / BLOCK) for n in lens]
+    width = max(need) + 3
+    num_blocks = sum(need) + 8
+    cache = PagedKV.allocate(num_blocks, BLOCK, kv_heads, head_dim, bits, torch.float16, "cuda")
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(0, num_blocks, (len(need), width), generator=g, dtype=torch.int32)  # garbage past
+    slots, used = [], 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used:used + n].int()
+        used += n
+        pos = torch.arange(int(lens[b]))
+        slots.append(tables[b, pos // BLOCK].long() * BLOCK + pos % BLOCK)
+    slots = torch.cat(slots).cuda()
+    gc = torch.Generator(device="cuda").manual_seed(seed)
+    for start in range(0, slots.numel(), 1 << 16):  # K/V made and written in chunks: 8192 × 32 tokens at once is 4 GB
+        s = slots[start:start + (1 << 16)]
+        k = torch.randn(s.numel(), kv_heads, head_dim, generator=gc, device="cuda").half()
+        v = torch.randn(s.numel(), kv_heads, head_dim, generator=gc, device="cuda").half()
+        write_kv(cache, k, v, s)
+    return cache, tables.cuda()
+
+
+def reference_decode(monkeypatch, *args) -> torch.Tensor:
+    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    try:
+        return paged_decode_attention(*args)
+    finally:
+        monkeypatch.delenv("QUANTKIT_KERNEL")
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_write_equals_reference(monkeypatch, shape, bits):
+    _, kv_heads, d = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    qkv = torch.randn(3000, 3 * kv_heads, d, generator=g, device="cuda")
+    qkv = (qkv * torch.rand(3000, 3 * kv_heads, 1, generator=g, device="cuda") * 4).half()
+    k, v = qkv[:, kv_heads:2 * kv_heads], qkv[:, 2 * kv_heads:]  # views of one fused output
+    slots = torch.randperm(200 * BLOCK, generator=g, device="cuda")[:3000]
+    slots[::97] = -1
+    caches = []
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("QUANTKIT_KERNEL", path)
+        caches.append(PagedKV.allocate(200, BLOCK, kv_heads, d, bits, torch.float16, "cuda"))
+        write_kv(caches[-1], k, v, slots)
+    torch.cuda.synchronize()
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+        ref, out = getattr(caches[0], name), getattr(caches[1], name)
+        if ref is not None:
+            assert torch.equal(out, ref), name
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("batch,longest", [(1, 100), (1, 4096), (1, 8192), (32, 100), (32, 4096), (32, 8192)])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_decode_attention(monkeypatch, shape, batch, longest, bits):
+    heads, kv_heads, d = SHAPES[shape]
+    g = torch.Generator().manual_seed(batch + longest)
+    lens = context_lens(batch, longest, g)
+    cache, tables = filled_cache(lens, kv_heads, d, bits, seed=bits)
+    q = (torch.randn(batch, heads, d, generator=g) * 3).half().cuda()
+    ctx = lens.cuda()
+    scale = d**-0.5
+    out = paged_decode_attention(q, cache, tables, ctx, scale)
+    ref = reference_decode(monkeypatch, q, cache, tables, ctx, scale)
+    err = rel_err(out, ref)
+    assert err < TOL, f"{shape} batch {batch} context ≤ {longest} kv{bits}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_decode_attention_in_a_cuda_graph(monkeypatch, bits):
+    """Captured once with long contexts, replayed with shorter and longer ones: the same as eager."""
+    heads, kv_heads, d = SHAPES["llama3-8b"]
+    g = torch.Generator().manual_seed(5)
+    cache, tables = filled_cache(torch.full((8,), 3000, dtype=torch.int32), kv_heads, d, bits, seed=bits)
+    q = (torch.randn(8, heads, d, generator=g) * 3).half().cuda()
+    ctx = torch.full((8,), 2000, dtype=torch.int32, device="cuda")
+    graph, out = capture(lambda: paged_decode_attention(q, cache, tables, ctx, d**-0.5))
+    for lens in ([3000, 1, 17, 2999, 1024, 16, 100, 2500], [5, 3000, 33, 64, 65, 1000, 2048, 7]):
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_((torch.randn(8, heads, d, generator=g) * 3).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_decode(monkeypatch, q, cache, tables, ctx, d**-0.5)
+        assert rel_err(out, ref) < TOL, lens
