@@ -4,103 +4,19 @@ exports against quantkit.load's transformers model of the same files."""
 
 from __future__ import annotations
 
-import copy
-import math
-
 import pytest
 import torch
 
 import quantkit
+from decoder_check import assert_same_logits, engine_step, hf_model, make_prompts
 from quantkit.config import QuantizeConfig, WeightQuantConfig
-from quantkit.engine.attention import AttnMetadata, set_metadata
 from quantkit.engine.model import load_decoder
 from quantkit.engine.weights import _fuse_quant
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
 from quantkit.kernels import reference
-from quantkit.kernels.paged_kv import PagedKV
 from quantkit.nn import QuantLinear
 from tiny import TINY, make_tiny_model, make_tokenizer
-
-BLOCK = 16
-PROMPT_LENS = (5, 20, 14)  # 20 spans two blocks; 14 + 4 decode steps crosses into a second block
-DECODE_STEPS = 4
-
-
-def _prompts(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 300, (n,), generator=g) for n in PROMPT_LENS]
-    decode = [torch.randint(3, 300, (DECODE_STEPS,), generator=g) for _ in PROMPT_LENS]
-    return prompts, decode
-
-
-def _step(model, tables: torch.Tensor, new: list[torch.Tensor], past: list[int], decode: bool) -> list[torch.Tensor]:
-    """One engine step for every sequence: their new tokens packed, metadata set as the runner would."""
-    positions = torch.cat([torch.arange(p, p + len(t)) for p, t in zip(past, new)])
-    seq_of_token = torch.cat([torch.full((len(t),), b) for b, t in enumerate(new)])
-    slots = tables[seq_of_token, positions // BLOCK].long() * BLOCK + positions % BLOCK
-    counts = torch.tensor([len(t) for t in new])
-    set_metadata(AttnMetadata(
-        slot_mapping=slots, block_tables=tables,
-        context_lens=torch.tensor([p + len(t) for p, t in zip(past, new)], dtype=torch.int32),
-        query_start=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
-        is_decode=decode,
-    ))
-    try:
-        logits = model.compute_logits(model(torch.cat(new), positions))
-    finally:
-        set_metadata(None)
-    return list(logits.split(counts.tolist()))
-
-
-def engine_logits(model, prompts, decode_tokens) -> list[list[torch.Tensor]]:
-    """Per sequence: [prefill logits [L, V], then one [1, V] per decode step]."""
-    per_seq = math.ceil((max(PROMPT_LENS) + DECODE_STEPS) / BLOCK)
-    tables = torch.arange(len(prompts) * per_seq, dtype=torch.int32).view(len(prompts), per_seq)
-    model.set_kv_caches([
-        PagedKV.allocate(tables.numel(), BLOCK, model.num_kv_heads, model.head_dim, 16, model.dtype, "cpu")
-        for _ in range(model.num_layers)
-    ])
-    out = [[x] for x in _step(model, tables, prompts, [0] * len(prompts), decode=False)]
-    past = [len(p) for p in prompts]
-    for i in range(DECODE_STEPS):
-        new = [d[i:i + 1] for d in decode_tokens]
-        for seq, x in zip(out, _step(model, tables, new, past, decode=True)):
-            seq.append(x)
-        past = [p + 1 for p in past]
-    return out
-
-
-def hf_logits(hf, prompts, decode_tokens) -> list[list[torch.Tensor]]:
-    """The same, from transformers one prompt at a time with its own cache (a fresh copy per prompt:
-    dynamic rope scaling keeps state between calls)."""
-    out = []
-    for prompt, dec in zip(prompts, decode_tokens):
-        m = copy.deepcopy(hf)
-        r = m(prompt[None], use_cache=True)
-        seq, cache = [r.logits[0]], r.cache
-        for tok in dec:
-            r = m(tok.view(1, 1), cache=cache, use_cache=True)
-            seq.append(r.logits[0])
-            cache = r.cache
-        out.append(seq)
-    return out
-
-
-def assert_same_logits(model, hf) -> None:
-    prompts, decode = _prompts()
-    with torch.no_grad():
-        got, want = engine_logits(model, prompts, decode), hf_logits(hf, prompts, decode)
-    for b, (g_seq, w_seq) in enumerate(zip(got, want)):
-        for step, (g, w) in enumerate(zip(g_seq, w_seq)):
-            err = (g - w.float()).abs().max() / w.abs().max()
-            assert err <= 1e-4, f"sequence {b}, {'prefill' if step == 0 else f'decode step {step}'}: rel. err {err:.2e}"
-
-
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
@@ -108,23 +24,23 @@ def test_families_match_transformers(tiny_models, arch):
     model, tok, gen = load_decoder(tiny_models[arch], "cpu", torch.float32)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (arch in ("qwen2", "qwen3"))
     assert gen.eos_token_id == 2 and tok("the model")["input_ids"]
-    assert_same_logits(model, _hf(tiny_models[arch]))
+    assert_same_logits(model, hf_model(tiny_models[arch]))
 
 
 def test_internlm2_original_layout(tiny_models):
     """The InternLM2 checkpoint holds the tiny llama's weights in wqkv/w1/w2/w3 form: same logits."""
     model, _, _ = load_decoder(tiny_models["internlm2"], "cpu", torch.float32)
-    assert_same_logits(model, _hf(tiny_models["llama"]))
+    assert_same_logits(model, hf_model(tiny_models["llama"]))
 
 
 def test_prefill_without_a_cache_matches_transformers(tiny_models):
     """Before the runner allocates the KV pool (its warm-up forward), layers attend over the step's own K/V."""
     model, _, _ = load_decoder(tiny_models["qwen3"], "cpu", torch.float32)
-    prompts, _ = _prompts()
+    prompts, _ = make_prompts()
     tables = torch.zeros(len(prompts), 2, dtype=torch.int32)
     with torch.no_grad():
-        got = _step(model, tables, prompts, [0] * len(prompts), decode=False)
-        hf = _hf(tiny_models["qwen3"])
+        got = engine_step(model, tables, prompts, [0] * len(prompts), decode=False)
+        hf = hf_model(tiny_models["qwen3"])
         for g, p in zip(got, prompts):
             w = hf(p[None]).logits[0]
             assert (g - w).abs().max() / w.abs().max() <= 1e-4
