@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -56,7 +56,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = bool(config.cuda_graphs) and self.device.type == "cuda"
         if self.use_graphs:
-            self._capture_graphs()
+            self.capture_graphs()
 
     # --- the pool ---------------------------------------------------------------------------------
 
@@ -173,9 +173,11 @@ class ModelRunner:
         return next((b for b in sorted(self.graphs) if b >= batch_size), None)
 
     @torch.inference_mode()
-    def _capture_graphs(self) -> None:
+    def capture_graphs(self, capture: Optional[Callable] = None) -> None:
         """One graph per bucket, the largest first so the smaller ones reuse its memory pool. The graphs
-        read the static tensors below; `_replay` copies each step's values into them."""
+        read the static tensors below; `_replay` copies each step's values into them. `capture(forward,
+        meta)` → (graph, output) makes one graph (default: a CUDA graph; the tests pass an eager stand-in)."""
+        capture = capture or self._cuda_graph
         buckets = graph_buckets(self.config.max_num_seqs)
         n, dev = buckets[-1], self.device
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -185,27 +187,33 @@ class ModelRunner:
         self.g_context = torch.ones(n, dtype=torch.int32, device=dev)
         self.g_query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.g_logits: dict[int, torch.Tensor] = {}
-        pool = None
+        self._graph_pool = None
         try:
             for b in reversed(buckets):
                 meta = AttnMetadata(self.g_slots[:b], self.g_tables[:b], self.g_context[:b],
                                     self.g_query_start[:b + 1], is_decode=True)
+
+                def forward(b: int = b) -> torch.Tensor:
+                    return self.model.compute_logits(self.model(self.g_ids[:b], self.g_positions[:b]))
+
                 set_metadata(meta)
-                with graph_warmup():  # compiles the kernels the capture launches, outside it
-                    self.model.compute_logits(self.model(self.g_ids[:b], self.g_positions[:b]))
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.g_logits[b] = self.model.compute_logits(self.model(self.g_ids[:b], self.g_positions[:b]))
-                pool = pool or graph.pool()
-                self.graphs[b] = graph
+                self.graphs[b], self.g_logits[b] = capture(forward, meta)
         except RuntimeError as exc:  # a kernel that cannot be captured: decode eagerly, still correct
             log.warning("CUDA-graph capture failed, decoding eagerly: %s", str(exc).splitlines()[0])
             self.graphs.clear()
             self.g_logits = {}
         finally:
             set_metadata(None)
-        torch.cuda.synchronize(dev)
+
+    def _cuda_graph(self, forward: Callable[[], torch.Tensor], meta: AttnMetadata):
+        with graph_warmup():  # compiles the kernels the capture launches, outside it
+            forward()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = forward()
+        self._graph_pool = self._graph_pool or graph.pool()
+        return graph, out
 
     def _replay(self, step: StepInputs, bucket: int) -> torch.Tensor:
         b = step.input_ids.shape[0]

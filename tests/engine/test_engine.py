@@ -36,10 +36,16 @@ def hf_greedy(path, prompt: list[int]) -> list[int]:
     """transformers' greedy continuation (EOS ignored), one prompt at a time: the oracle."""
     from transformers import AutoModelForCausalLM
 
+    from transformers import GenerationConfig
+
     key = (str(path), tuple(prompt))
     if key not in _HF:
         model = _HF.setdefault(str(path), AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        # No EOS at all (as ignore_eos): min_new_tokens would instead mask EOS out of the argmax.
+        model.generation_config.eos_token_id = []
+        config = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=[], pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        assert out.shape[1] == len(prompt) + NEW
         _HF[key] = out[0, len(prompt):].tolist()
     return _HF[key]
 
@@ -193,3 +199,40 @@ def test_user_errors(tiny_models):
     rid = eng.add_request([5, 6], GREEDY, request_id="x")
     with pytest.raises(UserError, match="already running"):
         eng.add_request([5, 6], GREEDY, request_id=rid)
+
+
+class EagerReplay:
+    """A CUDA graph's stand-in on the CPU: replay() reruns the captured forward on the same static
+    tensors and writes into the same output tensor, so the runner's padding and copying are what is tested."""
+
+    replays = 0
+
+    def __init__(self, forward, meta) -> None:
+        self.forward, self.meta = forward, meta
+        self.out = forward()
+
+    def replay(self) -> None:
+        from quantkit.engine.attention import set_metadata
+
+        set_metadata(self.meta)
+        self.out.copy_(self.forward())
+        set_metadata(None)
+        EagerReplay.replays += 1
+
+
+def test_decode_steps_through_graph_buckets_equal_hf(tiny_models):
+    path = tiny_models["qwen2"]
+    eng = engine(path, max_num_seqs=8)
+
+    def capture(forward, meta):
+        graph = EagerReplay(forward, meta)
+        return graph, graph.out
+
+    eng.runner.capture_graphs(capture)
+    assert sorted(eng.runner.graphs) == [1, 2, 4, 8]
+    ps = prompts(7, (9, 3, 30))  # 3 sequences: the bucket of 4 with one padding row (slot -1, writes nowhere)
+    EagerReplay.replays = 0
+    results = run_staggered(eng, [ps[:1], ps[1:]], steps_between=4)  # buckets 1, then 4 (and 2 as they end)
+    assert EagerReplay.replays >= NEW
+    for prompt, toks in results.values():
+        assert toks == hf_greedy(path, prompt)
