@@ -1,7 +1,7 @@
 """The engine's decoder: one module for the registry's Llama-layout families, built from a transformers config.
 
-What differs between the families is data read from the config: Qwen2 puts a bias on q/k/v, Qwen3
-normalizes q and k per head, Llama and Qwen3 may carry `attention_bias`/`mlp_bias`; InternLM2 arrives
+What differs between the families is data: the registry entry's `extra` (Qwen2 puts a bias on q/k/v,
+Qwen3 normalizes q and k per head) and the config (`attention_bias`, `mlp_bias`); InternLM2 arrives
 converted to the Llama layout (models/internlm2.py). q/k/v are one linear (`qkv_proj`) and gate/up
 another (`gate_up_proj`); engine/weights.py fuses the checkpoint's separate tensors into them.
 Module names otherwise follow transformers', so checkpoint names map onto them.
@@ -20,31 +20,26 @@ from quantkit.config import UserError
 from quantkit.engine import weights
 from quantkit.engine.attention import Attention, get_metadata
 from quantkit.engine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
-from quantkit.models.registry import spec_for_config
+from quantkit.models.registry import ArchSpec, spec_for_config
 
 log = logging.getLogger(__name__)
-
-# Per family: q/k/v carry a bias whatever the config says (Qwen2); q and k are RMS-normalized per head (Qwen3).
-_QKV_BIAS_FAMILIES = ("qwen2",)
-_QK_NORM_FAMILIES = ("qwen3",)
-
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: Any, family: str, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, spec: ArchSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias or family in _QKV_BIAS_FAMILIES
+        qkv_bias = attention_bias or spec.extra.get("qkv_bias", False)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias)
-        if family in _QK_NORM_FAMILIES:
+        if spec.extra.get("qk_norm", False):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
@@ -82,10 +77,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, family: str, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, spec: ArchSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, family, rotary)
+        self.self_attn = DecoderAttention(config, spec, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
@@ -101,12 +96,12 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: Any, family: str, max_positions: int) -> None:
+    def __init__(self, config: Any, spec: ArchSpec, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         with torch.device("cpu"):  # a computed table, never a checkpoint tensor (the model may be built on meta)
             self.rotary_emb = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, family, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, self.rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -125,12 +120,13 @@ class DecoderModel(nn.Module):
     def __init__(self, config: Any, max_positions: Optional[int] = None) -> None:
         super().__init__()
         self.config = config
-        self.family = spec_for_config(config).name
+        spec = spec_for_config(config)
+        self.family = spec.name
         self.max_positions = max_positions or config.max_position_embeddings
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             log.warning("the config sets a sliding window of %s tokens; the engine attends over the whole "
                         "context, which differs beyond that length", config.sliding_window)
-        self.model = Decoder(config, self.family, self.max_positions)
+        self.model = Decoder(config, spec, self.max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.num_layers = config.num_hidden_layers

@@ -1,4 +1,7 @@
-"""Llama-layout families: llama, mistral, qwen2 (qkv bias), qwen3 (q/k norm). Data only."""
+"""Llama-layout families: llama, mistral, qwen2 (qkv bias), qwen3 (q/k norm). Data only.
+
+`extra` says what the engine's decoder builds beyond the Llama block: "qkv_bias" (q/k/v carry a bias
+whatever the config says), "qk_norm" (an RMSNorm per head on q and k before the rotary embedding)."""
 
 from quantkit.models.registry import ArchSpec, ScaleGroup, register
 
@@ -18,9 +21,9 @@ LLAMA = register(ArchSpec("llama", ("LlamaForCausalLM",), linears=LLAMA_LINEARS,
 MISTRAL = register(ArchSpec("mistral", ("MistralForCausalLM",), linears=LLAMA_LINEARS, groups=LLAMA_GROUPS))
 QWEN2 = register(
     ArchSpec("qwen2", ("Qwen2ForCausalLM",), linears=LLAMA_LINEARS, groups=LLAMA_GROUPS,
-             notes="q/k/v carry a bias; it is kept in fp16 beside the packed weight")
+             notes="q/k/v carry a bias; it is kept in fp16 beside the packed weight", extra={"qkv_bias": True})
 )
 QWEN3 = register(
     ArchSpec("qwen3", ("Qwen3ForCausalLM",), linears=LLAMA_LINEARS, groups=LLAMA_GROUPS,
-             notes="q_norm/k_norm act per head after the projections and stay unquantized")
+             notes="q_norm/k_norm act per head after the projections and stay unquantized", extra={"qk_norm": True})
 )
