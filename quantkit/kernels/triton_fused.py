@@ -36,6 +36,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
         x2 = x2.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty_like(out) if residual is not None else out
+    if out.numel() == 0:
+        return out if residual is None else (out, h)
     r2 = x2
     if residual is not None:
         r2 = residual.reshape(-1, n)
@@ -84,6 +86,8 @@ def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin.stride(-1) != 1:
         raise ValueError("apply_rope_ needs q, k and cos_sin contiguous in their last dim")
     half = rotary_dim // 2
+    if q.shape[0] == 0:
+        return
     rope_kernel[(q.shape[0],)](q, k, positions, cos_sin, q.shape[1], k.shape[1], q.stride(0), q.stride(1),
                                k.stride(0), k.stride(1), cos_sin.stride(0), HALF=half,
                                BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVED=interleaved,
@@ -108,6 +112,8 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
     block = min(1024, triton.next_power_of_2(inter))
     silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, x2.stride(0), BLOCK=block, num_warps=4)
     return out

@@ -235,8 +235,10 @@ def num_partitions(batch: int, kv_heads: int, max_tokens: int, device: torch.dev
 
 
 def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens: Tensor, sm_scale: float,
-                           partitions: int | None = None, block_n: int = 64) -> Tensor:
-    """Triton form of paged_kv.paged_decode_attention; `partitions` overrides `num_partitions`."""
+                           partitions: int | None = None, block_n: int = 64, num_warps: int = 4) -> Tensor:
+    """Triton form of paged_kv.paged_decode_attention; `partitions` overrides `num_partitions`, and
+    `block_n` (tokens per tile) and `num_warps` are the kernel's tile settings (not measured on a GPU
+    yet: bench/probes/paged_attention.py times the alternatives)."""
     batch, heads, d = q.shape
     if d % 2:
         raise ValueError(f"the paged decode kernel needs an even head_dim, not {d}")
@@ -265,7 +267,7 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
         sm_scale * LOG2E, kv_heads, heads, partitions, q.stride(0), q.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HALF=d // 2,
         BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)), BLOCK_SIZE=cache.block_size, BLOCK_N=block_n,
-        BITS=bits, SPLIT=split, num_warps=4)
+        BITS=bits, SPLIT=split, num_warps=num_warps)
     if split:
         merge_kernel[(batch * heads,)](part_out, part_m, part_l, out, partitions, D=d,
                                        BLOCK_P=triton.next_power_of_2(partitions),

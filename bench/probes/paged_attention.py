@@ -1,0 +1,104 @@
+"""Time the paged decode-attention kernel (quantkit/kernels/triton_paged.py) on the GPU, one layer.
+
+    PYTHONPATH=. python bench/probes/paged_attention.py [--shape llama3-8b] [--sweep]
+
+For each batch size and context length (every sequence at that length) and each KV format
+(fp16, int8, int4), the CUDA-graph median time of one call (write excluded), the KV bytes it reads
+per µs (GB/s) and, for fp16, torch's SDPA over the same K/V held contiguously (flash-decoding's
+baseline: no paging, no dequantization). The block table is as wide as --max-model-len, as the
+engine's graphs see it. --sweep also times tile sizes, warps and partition counts other than the
+launcher's defaults, to choose them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.kernels import triton_paged
+from quantkit.kernels.paged_kv import PagedKV, write_kv
+
+SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+BLOCK = 16
+
+
+def graph_time(fn, replays: int = 50) -> float:
+    """Median µs of one replay of a CUDA graph of `fn`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def setup(shape: str, batch: int, ctx: int, bits: int, max_model_len: int):
+    heads, kv_heads, d = SHAPES[shape]
+    blocks_per_seq = math.ceil(ctx / BLOCK)
+    width = math.ceil(max_model_len / BLOCK)
+    cache = PagedKV.allocate(batch * blocks_per_seq + 1, BLOCK, kv_heads, d, bits, torch.float16, "cuda")
+    perm = torch.randperm(batch * blocks_per_seq, device="cuda").int()
+    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    tables[:, :blocks_per_seq] = perm.view(batch, blocks_per_seq)
+    k = torch.randn(batch * blocks_per_seq * BLOCK, kv_heads, d, device="cuda").half()
+    slots = torch.arange(k.shape[0], device="cuda")
+    write_kv(cache, k, torch.randn_like(k), slots)
+    q = torch.randn(batch, heads, d, device="cuda").half()
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return q, cache, tables, ctx_lens, k
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--contexts", default="128,1024,4096,8192")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    heads, kv_heads, d = SHAPES[args.shape]
+    print(f"{args.shape}: {heads} heads, {kv_heads} kv heads, head_dim {d}; {torch.cuda.get_device_name()}")
+    print(f"{'batch':>5} {'ctx':>6} {'kv':>4} {'config':>26} {'µs':>9} {'GB/s':>7}")
+    for batch, ctx in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
+        for bits in (16, 8, 4):
+            q, cache, tables, lens, k = setup(args.shape, batch, ctx, bits, args.max_model_len)
+            read = batch * ctx * PagedKV.bytes_per_token(kv_heads, d, bits, torch.float16)
+            configs = [dict()]
+            if args.sweep:
+                configs += [dict(block_n=n, num_warps=w, partitions=p) for n, w, p in
+                            itertools.product((32, 64, 128), (2, 4, 8), (None, 1, 8, 32))]
+            for cfg in configs:
+                try:
+                    us = graph_time(lambda: triton_paged.paged_decode_attention(q, cache, tables, lens, d**-0.5, **cfg))
+                except Exception as e:  # e.g. a tile that does not fit: report and go on
+                    print(f"{batch:>5} {ctx:>6} {bits:>4} {str(cfg):>26} failed: {type(e).__name__}")
+                    continue
+                name = "default" if not cfg else f"n{cfg['block_n']} w{cfg['num_warps']} p{cfg['partitions']}"
+                print(f"{batch:>5} {ctx:>6} {bits:>4} {name:>26} {us:9.1f} {read / us / 1e3:7.0f}")
+            if bits == 16:
+                kk = k[: batch * ctx].view(batch, ctx, kv_heads, d).transpose(1, 2).contiguous()
+                vv = torch.randn_like(kk)
+                q4 = q[:, :, None, :]
+                us = graph_time(lambda: F.scaled_dot_product_attention(q4, kk, vv, scale=d**-0.5, enable_gqa=True))
+                print(f"{batch:>5} {ctx:>6} {'sdpa':>4} {'contiguous fp16':>26} {us:9.1f} {read / us / 1e3:7.0f}")
+            del q, cache, tables, lens, k
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
