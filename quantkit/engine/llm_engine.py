@@ -165,6 +165,9 @@ class Engine:
         with self._lock:
             batch = self.scheduler.schedule()
             if not batch:
+                if self.scheduler.has_unfinished():  # a bug, not a user error: never loop on it silently
+                    raise RuntimeError(f"the scheduler scheduled nothing with {len(self.scheduler.waiting)} "
+                                       f"waiting and {len(self.scheduler.running)} running sequences")
                 return []
             logits, seqs = self.runner.run(batch)
             token_ids, logprobs = self.sampler(logits, seqs) if seqs else (torch.empty(0), None)

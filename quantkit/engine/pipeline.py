@@ -65,8 +65,9 @@ class Pipeline:
         return prompt
 
     def __call__(self, prompts: Union[Prompt, Sequence[Prompt]], params: Optional[SamplingParams] = None,
-                 progress: bool = False, **settings: Any) -> list[Response]:
-        """Answers for one prompt or a list of them (strings, token-id lists, or message lists)."""
+                 progress: bool = True, **settings: Any) -> list[Response]:
+        """Answers for one prompt or a list of them (strings, token-id lists, or message lists); a
+        progress bar counts finished requests when there are several."""
         sp = sampling_params(params, settings)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
