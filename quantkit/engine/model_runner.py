@@ -103,7 +103,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warmup(self) -> None:
         """One forward of a step as large as the scheduler may make (attention over its own tokens: no
-        pool exists yet), so its activations count in the peak."""
+        pool exists yet) and the logits of as many sequences as a step samples, so their activations
+        count in the peak."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         self.model.set_kv_caches([None] * self.num_layers)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
@@ -113,7 +114,7 @@ class ModelRunner:
             context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
             query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False))
         try:
-            self.model.compute_logits(self.model(ids, positions)[-1:])
+            self.model.compute_logits(self.model(ids, positions)[-min(self.config.max_num_seqs, tokens):])
         finally:
             set_metadata(None)
 
@@ -138,17 +139,20 @@ class ModelRunner:
                 sampled.append(seq)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
+        # Two host-to-device copies per step (each one waits for the device): the 1-D int64 fields
+        # travel together and are cut apart on the device.
+        t, b, n = len(ids), len(tables), len(sample_rows)
+        flat = torch.tensor(ids + positions + slots + context_lens + query_start + sample_rows,
+                            dtype=torch.long).to(self.device)
+        ids_d, pos_d, slots_d, ctx_d, qs_d, rows_d = flat.split([t, t, t, b, b + 1, n])
         meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            slot_mapping=slots_d,
+            block_tables=torch.tensor(padded, dtype=torch.int32).to(self.device),
+            context_lens=ctx_d.to(torch.int32),
+            query_start=qs_d.to(torch.int32),
             is_decode=all(n == 1 for _, n in batch),
         )
-        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sampled)
+        return StepInputs(ids_d, pos_d, meta, rows_d, sampled)
 
     @torch.inference_mode()
     def run(self, batch) -> tuple[Optional[torch.Tensor], list]:
