@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import quantkit
-from decoder_check import assert_same_logits, engine_step, hf_model, make_prompts
+from decoder_check import assert_same_logits, engine_logits, engine_step, hf_model, make_prompts
 from quantkit.config import QuantizeConfig, WeightQuantConfig
 from quantkit.engine.model import load_decoder
 from quantkit.engine.weights import _fuse_quant
@@ -25,6 +25,21 @@ def test_families_match_transformers(tiny_models, arch):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (arch in ("qwen2", "qwen3"))
     assert gen.eos_token_id == 2 and tok("the model")["input_ids"]
     assert_same_logits(model, hf_model(tiny_models[arch]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_follows_float32(tiny_models, dtype):
+    """Weights, biases, norms and the KV pool in the model's dtype (errors of one rounding step, not more)."""
+    prompts, decode = make_prompts()
+    with torch.no_grad():
+        half, _, _ = load_decoder(tiny_models["qwen2"], "cpu", dtype)
+        assert half.dtype == dtype and half.model.layers[0].self_attn.qkv_proj.bias.dtype == dtype
+        got = engine_logits(half, prompts, decode)
+        want = engine_logits(load_decoder(tiny_models["qwen2"], "cpu", torch.float32)[0], prompts, decode)
+    tol = 5e-3 if dtype == torch.float16 else 4e-2
+    for g_seq, w_seq in zip(got, want):
+        for g, w in zip(g_seq, w_seq):
+            assert (g - w).abs().max() / w.abs().max() <= tol
 
 
 def test_internlm2_original_layout(tiny_models):
