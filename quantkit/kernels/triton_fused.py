@@ -1,6 +1,7 @@
 """Triton kernels of kernels/fused.py: RMSNorm (+ residual add), RoPE in place, SiLU·mul.
 
-One program per token (row); the roundings are those of the torch reference in fused.py.
+One program per token (row); the roundings are those of the torch reference in fused.py. Launched
+through KeptKernel (launch.py), which skips Triton's front end after the first launch of a signature.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from quantkit.kernels.launch import KeptKernel
 
 
 @triton.jit
@@ -29,6 +32,9 @@ def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n, stride_x, stride_r
     tl.store(out_ptr + row * n + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_RMS_NORM = KeptKernel(rms_norm_kernel)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -43,9 +49,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
         r2 = residual.reshape(-1, n)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-    rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, h, n, x2.stride(0), r2.stride(0), eps,
-                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-                                    num_warps=4 if n <= 4096 else 8)
+    _RMS_NORM((x2.shape[0],), (x2, r2, weight, out, h, n, x2.stride(0), r2.stride(0), eps, residual is not None,
+                               triton.next_power_of_2(n)), num_warps=4 if n <= 4096 else 8)
     return out if residual is None else (out, h)
 
 
@@ -81,6 +86,9 @@ def rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, q_heads, k_heads, stride_qt, stri
     _rotate(k_ptr, t, stride_kt, stride_kh, k_heads, cos, sin, offs_i, half_mask, HALF, INTERLEAVED, BLOCK_KH)
 
 
+_ROPE = KeptKernel(rope_kernel)
+
+
 def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int,
                 interleaved: bool = False) -> None:
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin.stride(-1) != 1:
@@ -88,11 +96,9 @@ def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary
     half = rotary_dim // 2
     if q.shape[0] == 0:
         return
-    rope_kernel[(q.shape[0],)](q, k, positions, cos_sin, q.shape[1], k.shape[1], q.stride(0), q.stride(1),
-                               k.stride(0), k.stride(1), cos_sin.stride(0), HALF=half,
-                               BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVED=interleaved,
-                               BLOCK_QH=triton.next_power_of_2(q.shape[1]),
-                               BLOCK_KH=triton.next_power_of_2(k.shape[1]), num_warps=4)
+    _ROPE((q.shape[0],), (q, k, positions, cos_sin, q.shape[1], k.shape[1], q.stride(0), q.stride(1), k.stride(0),
+                          k.stride(1), cos_sin.stride(0), half, triton.next_power_of_2(half), interleaved,
+                          triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])), num_warps=4)
 
 
 @triton.jit
@@ -106,6 +112,9 @@ def silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SILU_MUL = KeptKernel(silu_mul_kernel)
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     inter = gate_up.shape[-1] // 2
     x2 = gate_up.reshape(-1, 2 * inter)
@@ -115,5 +124,5 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     if out.numel() == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, inter, x2.stride(0), BLOCK=block, num_warps=4)
+    _SILU_MUL((x2.shape[0], triton.cdiv(inter, block)), (x2, out, inter, x2.stride(0), block), num_warps=4)
     return out
