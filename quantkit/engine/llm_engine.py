@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence as Seq, Union
 
@@ -53,7 +53,7 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]
     usage: Usage
-    logprobs: Optional[list] = None
+    logprobs: Optional[list] = None      # sampler.TokenLogprobs per new token, when the request asked
 
 
 @dataclass
@@ -61,7 +61,6 @@ class _Request:
     seq: Sequence
     detok: Optional[IncrementalDetokenizer]
     sent: int = 0                        # generated tokens already reported
-    logprobs: list = field(default_factory=list)
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -186,10 +185,13 @@ class Engine:
             if req.detok.stopped and not seq.is_finished:  # a stop string ended the text
                 self.scheduler.finish(seq, "stop", req.detok.stop_string)
         new_ids = seq.output_token_ids[req.sent:]
+        logprobs = seq.output_logprobs[req.sent:] if seq.params.logprobs is not None else None
         req.sent = seq.num_output_tokens
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-        return self._output(req, new_ids, delta, seq.is_finished, seq.finish_reason)
+        out = self._output(req, new_ids, delta, seq.is_finished, seq.finish_reason)
+        out.logprobs = logprobs
+        return out
 
     def _output(self, req: _Request, new_ids: list[int], text: str, finished: bool,
                 reason: Optional[str]) -> RequestOutput:
@@ -216,19 +218,28 @@ class Engine:
             raise UserError(f"prompt {len(ids) + 1}: {exc}") if len(prompts) > 1 else exc from None
         texts: dict[str, list[str]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
+        logprobs: dict[str, list] = {i: [] for i in ids}
         final: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids), progress)
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.request_id not in texts:
-                    continue
-                texts[out.request_id].append(out.text)
-                tokens[out.request_id].extend(out.token_ids)
-                if out.finished:
-                    out.text, out.token_ids = "".join(texts[out.request_id]), tokens[out.request_id]
-                    final[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(final) < len(ids):
+                for out in self.step():
+                    rid = out.request_id
+                    if rid not in texts:
+                        continue
+                    texts[rid].append(out.text)
+                    tokens[rid].extend(out.token_ids)
+                    logprobs[rid].extend(out.logprobs or [])
+                    if out.finished:
+                        out.text, out.token_ids = "".join(texts[rid]), tokens[rid]
+                        out.logprobs = logprobs[rid] if out.logprobs is not None else None
+                        final[rid] = out
+                        bar.update(1)
+        finally:  # Ctrl-C or an error: nothing of this batch stays queued
+            bar.close()
+            for i in ids:
+                if i not in final:
+                    self.abort(i)
         return [final[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,

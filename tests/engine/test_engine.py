@@ -236,3 +236,15 @@ def test_decode_steps_through_graph_buckets_equal_hf(tiny_models):
     assert EagerReplay.replays >= NEW
     for prompt, toks in results.values():
         assert toks == hf_greedy(path, prompt)
+
+
+def test_logprobs_come_with_the_tokens(tiny_models):
+    eng = engine(tiny_models["llama"])
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = eng.generate([[5, 6, 7]], params, progress=False)[0]
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for lp in out.logprobs:  # greedy: the chosen token is the most likely one
+        assert lp.top[0][0] == lp.token_id and lp.logprob == pytest.approx(lp.top[0][1]) and len(lp.top) == 2
+    streamed = list(eng.stream([5, 6, 7], params))
+    assert [lp.token_id for o in streamed for lp in o.logprobs] == out.token_ids
+    assert eng.generate([[5, 6, 7]], GREEDY, progress=False)[0].logprobs is None
