@@ -178,3 +178,27 @@ def test_incomplete_or_mismatched_checkpoints_are_user_errors(tiny_models, tmp_p
             load_decoder(d, "cpu", torch.float32)
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_decoder(tmp_path / "nowhere", "cpu")
+
+
+def test_partial_rotary_turns_only_the_first_channels():
+    """partial_rotary_factor 0.5 of a 16-channel head: channels 0-7 rotate as transformers' rotate_half
+    over an 8-channel rotary dim, channels 8-15 pass through."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from quantkit.engine.layers import RotaryEmbedding
+
+    config = LlamaConfig(**{**TINY, "rope_parameters": {"rope_type": "default", "rope_theta": 100.0,
+                                                         "partial_rotary_factor": 0.5}})
+    rope = RotaryEmbedding(config, 64)
+    assert rope.rotary_dim == 8
+    positions = torch.tensor([0, 3, 17, 40])
+    q, k = torch.randn(4, 4, 16), torch.randn(4, 2, 16)
+    q2, k2 = q.clone(), k.clone()
+    rope(q2, k2, rope.rows(positions, None))
+    inv_freq = 1.0 / 100.0 ** (torch.arange(0, 8, 2).float() / 8)
+    emb = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
+    want_q, want_k = apply_rotary_pos_emb(q[..., :8], k[..., :8], emb.cos(), emb.sin(), unsqueeze_dim=1)
+    torch.testing.assert_close(q2[..., :8], want_q)
+    torch.testing.assert_close(k2[..., :8], want_k)
+    assert torch.equal(q2[..., 8:], q[..., 8:]) and torch.equal(k2[..., 8:], k[..., 8:])
