@@ -255,3 +255,19 @@ def test_kernel_rounding_is_torch_round(triton_interpreter):
     out = torch.empty_like(x)
     round_kernel[(1,)](x, out, BLOCK=16)
     assert torch.equal(out, torch.round(x))
+
+
+def test_prefill_reads_lengths_once_per_step_and_sees_changes(reference_path, monkeypatch):
+    """Layers of one step share the host copy of the lengths; an in-place change is seen."""
+    lens = [20, 33]
+    cache, tables, _, _ = filled_cache(lens, 2, 64, 16, torch.float32, seed=9)
+    q = torch.randn(2, 4, 64)
+    ctx, start = torch.tensor(lens, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    first = paged_prefill_attention(q, cache, tables, ctx, start, 0.1)
+    assert torch.equal(paged_prefill_attention(q, cache, tables, ctx, start, 0.1), first) and len(reads) == 2
+    ctx[1] = 17  # the runner reusing a buffer: the next step must read it again
+    shorter = paged_prefill_attention(q, cache, tables, ctx, start, 0.1)
+    assert len(reads) == 4 and torch.equal(shorter[0], first[0]) and not torch.allclose(shorter[1], first[1])
