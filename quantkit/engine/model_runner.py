@@ -100,7 +100,9 @@ class ModelRunner:
         available = max(free + reusable - activations, 0)
         return int(self.config.cache_max_entry_count * available) // self.bytes_per_token()
 
-    @torch.inference_mode()
+    # no_grad rather than inference_mode: paged_kv reuses a step's host-side lengths by tensor version,
+    # which inference tensors do not have.
+    @torch.no_grad()
     def _warmup(self) -> None:
         """One forward of a step as large as the scheduler may make (attention over its own tokens: no
         pool exists yet) and the logits of as many sequences as a step samples, so their activations
@@ -154,7 +156,7 @@ class ModelRunner:
         )
         return StepInputs(ids_d, pos_d, meta, rows_d, sampled)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, batch) -> tuple[Optional[torch.Tensor], list]:
         """Forward one scheduled batch: (float32 logits [N, vocab] of the sequences that get a token this
         step, those sequences). Logits are None when no sequence samples (only partial prompt chunks)."""
@@ -176,7 +178,7 @@ class ModelRunner:
             return None
         return next((b for b in sorted(self.graphs) if b >= batch_size), None)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def capture_graphs(self, capture: Optional[Callable] = None) -> None:
         """One graph per bucket, the largest first so the smaller ones reuse its memory pool. The graphs
         read the static tensors below; `_replay` copies each step's values into them. `capture(forward,

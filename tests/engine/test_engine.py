@@ -72,7 +72,7 @@ def run_staggered(eng: Engine, batches: list[list[list[int]]], steps_between: in
     return {rid: (ids[rid], tokens[rid]) for rid in ids}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_greedy_equals_hf_with_staggered_arrivals_and_chunked_prefill(tiny_models, arch):
     path = tiny_models[arch]
     ps = prompts(1)
