@@ -1,11 +1,12 @@
-"""The paged KV cache's Triton kernels (kernels/triton_paged.py) on the GPU at real shapes, against the
+"""The engine's Triton kernels (kernels/triton_paged.py, triton_fused.py) on the GPU at real shapes, against the
 torch reference (kernels/paged_kv.py with QUANTKIT_KERNEL=reference) run on the same GPU.
 
 Llama-2-7B (32 heads of 128, MHA) and Llama-3-8B (32 query heads over 8 KV heads) decode attention at
 batch 1 and 32, contexts up to 100, 4096 and 8192 tokens, fp16/int8/int4 blocks; random K/V/Q (never
 zeros) written by the Triton write kernel into blocks handed out in a random order. The write itself
 must give the reference's codes, scales and zeros byte for byte; the decode is also captured in a
-CUDA graph and replayed with other context lengths (its grid must not depend on them).
+CUDA graph and replayed with other context lengths (its grid must not depend on them). Then the fused
+RMSNorm (+ residual), RoPE and SiLU·mul kernels (kernels/triton_fused.py) against their reference.
 """
 
 from __future__ import annotations
@@ -121,3 +122,61 @@ def test_decode_attention_in_a_cuda_graph(monkeypatch, bits):
         torch.cuda.synchronize()
         ref = reference_decode(monkeypatch, q, cache, tables, ctx, d**-0.5)
         assert rel_err(out, ref) < TOL, lens
+
+
+# ---- the fused elementwise ops (kernels/fused.py) at Llama shapes
+
+def both_paths(monkeypatch, fn):
+    """fn() on the torch reference, then on the Triton kernel (the default on CUDA)."""
+    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    ref = fn()
+    monkeypatch.delenv("QUANTKIT_KERNEL")
+    return ref, fn()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 33, 2048])
+def test_rms_norm(monkeypatch, tokens, dtype):
+    from quantkit.kernels.fused import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x, r = (torch.randn(tokens, 4096, generator=g, device="cuda").to(dtype) for _ in range(2))
+    w = (torch.rand(4096, generator=g, device="cuda") + 0.5).to(dtype)
+    (ref, ref_h), (out, h) = both_paths(monkeypatch, lambda: rms_norm(x, w, 1e-5, r))
+    assert torch.equal(h, ref_h)
+    assert rel_err(out, ref) < 1e-2 and (out != ref).float().mean() < 0.05
+    ref, out = both_paths(monkeypatch, lambda: rms_norm(x, w, 1e-5))
+    assert rel_err(out, ref) < 1e-2 and (out != ref).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("interleaved,rotary_dim", [(False, 128), (True, 64)])
+@pytest.mark.parametrize("tokens", [1, 2048])
+def test_rope(monkeypatch, tokens, interleaved, rotary_dim):
+    from quantkit.kernels.fused import apply_rope_
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    qkv = torch.randn(tokens, 48 * 128, generator=g, device="cuda").half()  # Llama-3-8B: 32 q, 8 k, 8 v heads
+    positions = torch.randint(0, 8192, (tokens,), generator=g, device="cuda")
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, rotary_dim, 2, device="cuda").float() / rotary_dim)
+    angles = torch.arange(8192, device="cuda").float()[:, None] * inv_freq
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+    def run():
+        t = qkv.clone()
+        apply_rope_(t[:, :4096].view(tokens, 32, 128), t[:, 4096:5120].view(tokens, 8, 128), positions, cos_sin,
+                    rotary_dim, interleaved)
+        return t
+
+    ref, out = both_paths(monkeypatch, run)
+    assert not torch.equal(ref, qkv) and torch.equal(out[:, 5120:], qkv[:, 5120:])
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)  # a last-bit difference at most (FMA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_mul(monkeypatch, dtype):
+    from quantkit.kernels.fused import silu_mul
+
+    x = (torch.randn(77, 2 * 11008, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda") * 3)
+    x = x.to(dtype)
+    ref, out = both_paths(monkeypatch, lambda: silu_mul(x))
+    assert rel_err(out, ref) < 1e-2 and (out != ref).float().mean() < 0.05

@@ -131,7 +131,7 @@ def test_triton_rope(monkeypatch, triton_interpreter, interleaved, rotary_dim):
 
     ref, out = both_paths(monkeypatch, run)
     assert not torch.equal(ref, qkv)
-    torch.testing.assert_close(out, ref, rtol=0, atol=2e-3)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
     assert torch.equal(out[:, 384:], qkv[:, 384:])  # v untouched
 
 
