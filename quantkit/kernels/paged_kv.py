@@ -7,9 +7,11 @@ uint8 zero per token per head beside them, asymmetric as lmdeploy's quant_policy
 q = clamp(round(x / s) + z, 0, 2^b − 1) reads back as (q − z) · s. Int4 codes are packed two per byte
 along head_dim, the low nibble holding the even channel.
 
-Each public function runs the Triton kernels (kernels/triton_paged.py) on an NVIDIA GPU of compute
-capability 8.0 or later and this module's torch code elsewhere; QUANTKIT_KERNEL=reference|triton
-forces one (with TRITON_INTERPRET=1, "triton" runs the kernels on the CPU through Triton's interpreter).
+`write_kv` and `paged_decode_attention` run the Triton kernels of kernels/triton_paged.py where
+`hardware.runs_triton` says so (an NVIDIA GPU of compute capability 8.0 or later, or QUANTKIT_KERNEL=
+triton; with TRITON_INTERPRET=1 that runs them on the CPU through Triton's interpreter) and this
+module's torch code elsewhere. Prefill attention gathers each sequence's context and calls SDPA
+(flash on a GPU for a whole prompt; with a cached prefix, a bottom-right causal mask) everywhere.
 """
 
 from __future__ import annotations
