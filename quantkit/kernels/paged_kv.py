@@ -224,6 +224,8 @@ _last_read: list = []
 
 
 def _host_lists(query_start: Tensor, context_lens: Tensor) -> tuple[list[int], list[int]]:
+    if query_start.is_inference() or context_lens.is_inference():  # no version counter: read every time
+        return query_start.tolist(), context_lens.tolist()
     if _last_read:
         qs, qs_version, ctx, ctx_version, values = _last_read
         if qs is query_start and ctx is context_lens and qs._version == qs_version and ctx._version == ctx_version:

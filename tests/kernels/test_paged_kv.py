@@ -271,3 +271,15 @@ def test_prefill_reads_lengths_once_per_step_and_sees_changes(reference_path, mo
     ctx[1] = 17  # the runner reusing a buffer: the next step must read it again
     shorter = paged_prefill_attention(q, cache, tables, ctx, start, 0.1)
     assert len(reads) == 4 and torch.equal(shorter[0], first[0]) and not torch.allclose(shorter[1], first[1])
+
+
+def test_prefill_under_inference_mode(reference_path):
+    """Inference tensors have no version counter: the lengths are then read every call."""
+    lens = [20, 33]
+    cache, tables, _, _ = filled_cache(lens, 2, 64, 8, torch.float32, seed=9)
+    q = torch.randn(2, 4, 64)
+    with torch.inference_mode():
+        ctx, start = torch.tensor(lens, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
+        out = paged_prefill_attention(q, cache, tables, ctx, start, 0.1)
+        ctx[1] = 17
+        assert not torch.allclose(paged_prefill_attention(q, cache, tables, ctx, start, 0.1)[1], out[1])
