@@ -38,8 +38,10 @@ class StepInputs:
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    """The batch sizes graphs are captured for: the buckets up to max_num_seqs (at least the first)."""
-    return [b for b in GRAPH_BUCKETS if b <= max(max_num_seqs, 1)]
+    """The batch sizes graphs are captured for: the buckets below max_num_seqs and the first one that
+    holds it (a decode batch larger than the last bucket runs eagerly)."""
+    below = [b for b in GRAPH_BUCKETS if b < max_num_seqs]
+    return below + [b for b in GRAPH_BUCKETS if b >= max_num_seqs][:1]
 
 
 class ModelRunner:
