@@ -220,10 +220,17 @@ class Engine:
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list] = {i: [] for i in ids}
         final: dict[str, RequestOutput] = {}
+        seqs = {i: self._requests[i].seq for i in ids}
         bar = _progress_bar(len(ids), progress)
         try:
             while len(final) < len(ids):
-                for out in self.step():
+                outputs = self.step()
+                if not outputs:  # requests aborted from elsewhere (another thread) end here, not never
+                    for rid in [i for i in ids if i not in final and i not in self._requests]:
+                        seq = seqs[rid]
+                        final[rid] = RequestOutput(rid, "".join(texts[rid]), tokens[rid], True, "abort",
+                                                   Usage(seq.num_prompt_tokens, seq.num_output_tokens))
+                for out in outputs:
                     rid = out.request_id
                     if rid not in texts:
                         continue

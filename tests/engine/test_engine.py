@@ -250,3 +250,21 @@ def test_logprobs_come_with_the_tokens(tiny_models):
     streamed = list(eng.stream([5, 6, 7], params))
     assert [lp.token_id for o in streamed for lp in o.logprobs] == out.token_ids
     assert eng.generate([[5, 6, 7]], GREEDY, progress=False)[0].logprobs is None
+
+
+def test_generate_ends_requests_aborted_from_elsewhere(tiny_models):
+    eng = engine(tiny_models["llama"])
+    step = eng.step
+    calls = []
+
+    def step_then_abort():
+        outs = step()
+        calls.append(1)
+        if len(calls) == 2:
+            eng.abort("1")  # as another thread (a server's disconnect) would, between two steps
+        return outs
+
+    eng.step = step_then_abort
+    outs = eng.generate([[5, 6, 7], [8, 9]], GREEDY, progress=False)
+    assert [o.finish_reason for o in outs] == ["length", "abort"]
+    assert len(outs[0].token_ids) == NEW and len(outs[1].token_ids) == 2
