@@ -282,7 +282,8 @@ def chat(
     temperature: float | None = typer.Option(None, "--temperature", help="0 means greedy (default: the model's "
                                              "generation_config.json, else 1.0)."),
     top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass (default: the model's)."),
-    top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k likeliest tokens (default: the model's)."),
+    top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k likeliest tokens "
+                                     "(default: the model's)."),
     device: str | None = DEVICE,
 ) -> None:
     """Chat in the terminal: streamed answers, multi-turn history; 'exit' leaves, 'clear' starts over."""

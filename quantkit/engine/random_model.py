@@ -56,7 +56,8 @@ class RandomTensors:
                        "model.norm.weight": (c.hidden_size,), "lm_head.weight": (c.vocab_size, c.hidden_size)}
         linears = {"self_attn.q_proj": (q, c.hidden_size), "self_attn.k_proj": (kv, c.hidden_size),
                    "self_attn.v_proj": (kv, c.hidden_size), "self_attn.o_proj": (c.hidden_size, q),
-                   "mlp.gate_proj": (c.intermediate_size, c.hidden_size), "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+                   "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+                   "mlp.up_proj": (c.intermediate_size, c.hidden_size),
                    "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
