@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="ptb,wikitext2")
     ap.add_argument("--eval-windows", type=int, default=40)
     ap.add_argument("--baselines", action="store_true", help="also evaluate the fp model and RTN")
+    ap.add_argument("--seed", type=int, default=0, help="calibration window sampling seed (calib.seed)")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here as JSON")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads; on a busy 2-core machine 1 is faster than 2 (OpenMP waits on descheduled threads)")
@@ -100,7 +101,7 @@ def main() -> None:
         lm = type(loaded)(model, loaded.tokenizer, loaded.spec, loaded.source)
         config = with_bits(build_config(method="awq", **weight, **{
             "calib.dataset": "ptb", "calib.samples": args.samples, "calib.seqlen": args.seqlen,
-            "calib.data_dir": DATA_DIR, "calib.seed": 0, **VARIANTS[variant]}), args.bits)
+            "calib.data_dir": DATA_DIR, "calib.seed": args.seed, **VARIANTS[variant]}), args.bits)
         t1 = time.perf_counter()
         res = quantize(lm, config, progress=False)
         seconds = time.perf_counter() - t1
@@ -112,7 +113,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         del model, lm, res
     print(f"\nSmolLM2-135M-Instruct W{args.bits} g{args.group_size}, calibration {args.samples}×{args.seqlen} ptb-valid,"
-          f" eval {args.eval_windows}×512 fp32 (load {load_s:.0f}s)")
+          f" seed {args.seed}, eval {args.eval_windows}×512 fp32 (load {load_s:.0f}s)")
     print("| run | " + " | ".join(f"{d} ppl" for d in datasets) + " | quantize s |")
     print("|---|" + "---|" * (len(datasets) + 1))
     for r in rows:
