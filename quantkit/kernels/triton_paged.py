@@ -34,9 +34,11 @@ QMAX = {8: 255, 4: 15}
 @triton.jit
 def _round_half_even(y):
     """torch.round: to nearest, ties to even (libdevice.rint has no interpreter implementation)."""
-    r = tl.floor(y + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+    # floor(y + 0.5) would round y = 0.5 - 2^-25 up (the sum rounds to 1.0); y - floor(y) is exact.
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
 
 @triton.jit
