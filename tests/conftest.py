@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny import (  # noqa: F401  (re-exported: tests may import helpers from conftest too)
     llama_to_internlm2,
@@ -34,3 +35,18 @@ def text_file(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("text") / "calib.txt"
     p.write_text(make_text(4000, 2))
     return p
+
+
+# Folders whose tests run tiny models: one thread is far faster than several on shared cores.
+_ONE_THREAD = {"quantize", "engine", "runtime"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    if request.path.parent.name not in _ONE_THREAD:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

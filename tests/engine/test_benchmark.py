@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from quantkit.engine.benchmark import BenchSetup, latency, throughput
@@ -16,14 +15,6 @@ from quantkit.engine.random_model import RandomTensors, build_random_model, shap
 from quantkit.nn.quant_linear import QuantLinear
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_random_w4_model_has_the_shapes_and_packed_layers():

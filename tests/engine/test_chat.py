@@ -10,20 +10,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from quantkit.engine import Engine, EngineConfig, SamplingParams
 from quantkit.engine.chat import ChatSession, run_chat
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

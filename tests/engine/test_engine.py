@@ -16,15 +16,6 @@ NEW = 32
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is far faster than several on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def prompts(seed: int, lengths=(5, 37, 2, 19, 64)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]

@@ -21,14 +21,6 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
 NEW = 32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The GGUF dequantized to an fp32 Hugging Face directory (the engine reads directories)."""

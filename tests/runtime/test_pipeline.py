@@ -1,19 +1,9 @@
 """quantkit.pipeline() on the engine: batch generation with token counts, finish reasons and settings."""
 
 import pytest
-import torch
 
 import quantkit
 from quantkit.config import QuantizeConfig, WeightQuantConfig
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is far faster than several on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
