@@ -105,7 +105,10 @@ def quantize_per_token(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     qmax = QMAX[bits]
     xf = x.float()
     lo, hi = xf.amin(-1).clamp(max=0), xf.amax(-1).clamp(min=0)
-    scale = ((hi - lo) / qmax).clamp_min(MIN_SCALE)
+    # Divided by a tensor, not a Python number: on CUDA torch turns division by a host scalar into a
+    # multiplication by its reciprocal, one ulp off IEEE division at times, which flips the fp16
+    # rounding of the scale for about one row in 10^4 (the Triton write divides exactly).
+    scale = torch.div(hi - lo, torch.full_like(hi, qmax)).clamp_min(MIN_SCALE)
     scale = (scale * (1 + 2.0**-10)).half().float()
     zero = torch.round(-lo / scale).clamp(0, qmax)
     q = (torch.round(xf / scale[..., None]) + zero[..., None]).clamp_(0, qmax).to(torch.uint8)

@@ -30,7 +30,8 @@ def range_params(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> tuple[torch.T
     """
     qmax = check_bits(bits)
     lo, hi = mn.float().clamp(max=0), mx.float().clamp(min=0)
-    scale = ((hi - lo) / qmax).clamp_min(_MIN_SCALE)
+    # A tensor divisor: CUDA turns division by a host scalar into a multiplication by its reciprocal.
+    scale = torch.div(hi - lo, torch.full_like(hi, qmax)).clamp_min(_MIN_SCALE)
     # fp16 has 10 mantissa bits: growing by 2^-10 before rounding to nearest can never round below.
     scale = (scale * (1 + 2.0**-10)).half().float()
     zero = torch.round(-lo / scale).clamp(0, qmax)
