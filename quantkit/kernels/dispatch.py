@@ -9,7 +9,7 @@ the layer moves to another device:
   (gluon_gemm) takes 16 < M ≤ 512, to 1024 on wide layers, where it measured faster (`gluon_choice`).
   Each layer keeps its GEMV launches per M and dtype (`gemv_launch`), which after the first call skip Triton's
   argument binding: an eager call costs about a quarter of the host time it did
-  (bench/launch_overhead.py);
+  (bench/probes/launch_overhead.py);
 - otherwise (other group sizes, bf16 with 8 bits, the Triton interpreter, which cannot run the mma
   kernel's inline PTX) the block-planar layout (triton_layout) and `TABLE`, measured by
   bench/kernels.py --tune; split-K is set per call so that a launch has enough programs to fill
@@ -54,8 +54,8 @@ def _gemm(block_m: int, block_n: int, programs: float) -> Choice:
 
 _CUBLAS = Choice("dequant+cublas")
 # bits → rows of (largest M, choice); the first row whose bound is ≥ M is used. Measured on the H200
-# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M; run 5 of
-# 2026-11-30 in bench/KERNELS_NOTES.md). From M = 64 (W4) and beyond M = 16 (W8) every fused kernel
+# by `bench/kernels.py --tune` (least time summed over the four Llama-2-7B linears, per M; see
+# bench/KERNELS_NOTES.md). From M = 64 (W4) and beyond M = 16 (W8) every fused kernel
 # tried lost to dequantize (16-byte stores, ≈ 90 % of copy bandwidth) + cuBLAS.
 TABLE: dict[int, list[tuple[int, Choice]]] = {
     4: [
@@ -105,20 +105,20 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choic
     """The Gluon GEMM's configuration for M rows of x, N outputs and K inputs (8-bit weights:
     `gluon_choice8`; this docstring is W4's), or None where the mma GEMV (M ≤ 32 on most layers) or
     dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) is faster. Measured on the H200 with
-    `bench/gluon_probe.py` (four Llama-2-7B shapes, CUDA-graph medians, x permutation included; runs 61–62
-    of bench/KERNELS_NOTES.md, items 62–63, M ∈ {16, 32, 64, 128, 256, 512, 1024}; run 58 for M = 96):
+    `bench/probes/gluon_probe.py` (four Llama-2-7B shapes, CUDA-graph medians, x permutation included,
+    M ∈ {16, 32, 64, 96, 128, 256, 512, 1024}; see bench/KERNELS_NOTES.md):
     - M ≤ 16: the GEMV everywhere (o 8.3 µs against 11.3 for the best GEMM; qkv 14.8 against 18.9).
     - M ≤ 32: the GEMM on wide layers (gate_up 28.8 vs 28.9 µs) and, split K ways in one launch, on
       narrow ones (o 12.2 vs 12.8, down 20.3 vs 24.5); qkv keeps the GEMV (19.5 vs 20.0: level).
     - M ≤ 64: qkv 23.7 µs (BM 64), gate_up 33.6, o 12.8 (split 2; the GEMV 15.8), down 23.4 (split 4; the
       GEMV 38.5).
     - M ≤ 128: 128 rows of x per program: qkv 30.7, gate_up 51.0 (61.0 at BM 64), down split 2 33.7
-      (45.3); o keeps BM 64 (16.4 vs 17.5). Run 58's choices for M ≤ 96 on qkv and gate_up.
+      (45.3); o keeps BM 64 (16.4 vs 17.5). qkv and gate_up at M ≤ 96 keep M = 64's configuration.
     - M ≤ 256: BM 128; qkv with two ring slots (52.7 vs 55.8 µs), down split 2 (50.3 vs 54.2); gate_up
-      BM 256 (run 72, item 72: 86.4 vs 90.9 µs; 255 registers, 348 bytes spilled in the epilogue only).
-    - M ≤ 512: BM 256, three slots (run 72: qkv 86.9 vs 90.9 µs for BM 128, o 29.3 vs 31.5, down 78.2 vs
-      83.6, gate_up 172.3 vs 170.8, level); dequantize + cuBLAS was 2–12 % slower than BM 128 (run 62).
-    - M ≤ 1024: gate_up BM 256 (316.4 vs 347.9 µs for dequantize + cuBLAS, run 72); the others
+      BM 256 (86.4 vs 90.9 µs; 255 registers, 348 bytes spilled in the epilogue only).
+    - M ≤ 512: BM 256, three slots (qkv 86.9 vs 90.9 µs for BM 128, o 29.3 vs 31.5, down 78.2 vs
+      83.6, gate_up 172.3 vs 170.8, level); dequantize + cuBLAS was 2–12 % slower than BM 128.
+    - M ≤ 1024: gate_up BM 256 (316.4 vs 347.9 µs for dequantize + cuBLAS); the others
       dequantize + cuBLAS (qkv and o level with the GEMM, down 4 % faster), as everything above 1024.
     A choice measured at M holds below it down to the previous measured M: the GEMM's time follows the
     number of BM-row tiles of x."""
@@ -167,19 +167,19 @@ def _gluon(bm: int, stages: int, rows_per_program: int = 64, split: int = 1) -> 
 
 def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
     """The Gluon GEMM's configuration for 8-bit per-channel weights, or None where the mma GEMV (M ≤ 16)
-    or dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) runs. Measured on the H200 (runs
-    68, 70 and 72 of bench/KERNELS_NOTES.md, item 69: `bench/gluon_probe.py --bits 8`, CUDA-graph
-    medians, four Llama-2-7B shapes, M ∈ {32, 64, 128, 256, 512, 1024}; M ≤ 16 not probed):
-    - M ≤ 32 (run 70): qkv 21.1 µs against the GEMV's 23.5, o split 2 12.4 / 14.1, gate_up with four
+    or dequantize + cuBLAS (M > 512 except on wide layers, M > 1024) runs. Measured on the H200
+    (`bench/probes/gluon_probe.py --bits 8`, CUDA-graph medians, four Llama-2-7B shapes,
+    M ∈ {32, 64, 128, 256, 512, 1024}; M ≤ 16 not probed; see bench/KERNELS_NOTES.md):
+    - M ≤ 32: qkv 21.1 µs against the GEMV's 23.5, o split 2 12.4 / 14.1, gate_up with four
       slots 30.2 / 36.0, down split 4 20.3 / 27.5.
-    - M ≤ 64 (run 70): qkv 23.4 / 39.3, o split 2 13.0 / 19.8, gate_up 34.0 / 79.3, down split 4 24.5 / 42.7.
-    - M ≤ 128 (run 68): qkv BM 64, 3 slots (32.5 µs; dequantize + cuBLAS 73.5), gate_up 128 rows per program
+    - M ≤ 64: qkv 23.4 / 39.3, o split 2 13.0 / 19.8, gate_up 34.0 / 79.3, down split 4 24.5 / 42.7.
+    - M ≤ 128: qkv BM 64, 3 slots (32.5 µs; dequantize + cuBLAS 73.5), gate_up 128 rows per program
       (63.7; 128.6), o and down BM 128 split 2 (18.8 and 37.0; 27.4 and 69.5). M = 65–127 are not
       measured: the M = 128 choice, where dequantize + cuBLAS was 1.5–2.3× slower.
-    - M ≤ 256: o and down BM 128 unsplit (22.3, 56.0); qkv and gate_up BM 256 (run 72, item 72: 58.4
+    - M ≤ 256: o and down BM 128 unsplit (22.3, 56.0); qkv and gate_up BM 256 (58.4
       and 90.4 µs against 61.9 for BM 64 and 96.2 for 128 rows per program).
-    - M ≤ 512: BM 256 everywhere (run 72: qkv 92.7 against 98.0 for BM 128 with 128 rows, o 30.6 / 33.7,
-      gate_up 177.9 / 194.8, down 78.3 / 83.7; dequantize + cuBLAS 109.3 / 38.3 / 197.7 / 96.3, run 68).
+    - M ≤ 512: BM 256 everywhere (qkv 92.7 against 98.0 for BM 128 with 128 rows, o 30.6 / 33.7,
+      gate_up 177.9 / 194.8, down 78.3 / 83.7; dequantize + cuBLAS 109.3 / 38.3 / 197.7 / 96.3).
     - M ≤ 1024: gate_up BM 256 (329.7 vs 349.0 µs for dequantize + cuBLAS); the others dequantize +
       cuBLAS (qkv 176.2 vs 181.1, down 151.7 vs 154.0, o level), as everything above 1024."""
     if m <= 16 or m > 1024:
@@ -187,7 +187,7 @@ def gluon_choice8(m: int, n: int, k: int, sms: int = 132) -> Choice | None:
     narrow, wide, _ = _width(n, k, sms)
     if m <= 32 and not narrow:
         return _gluon(32, 4) if wide else _gluon(32, 6)
-    if m <= 64:  # W4's choices, the fastest for W8 too (run 70)
+    if m <= 64:  # W4's choices, measured the fastest for W8 too
         return gluon_choice(m, n, k, sms)
     if m <= 128:
         if narrow:
@@ -205,9 +205,9 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: i
     """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs (`pdl`: the GPU
     has programmatic dependent launch, sm_90 and later).
 
-    Measured on the H200 (runs 34–36 of bench/KERNELS_NOTES.md, `bench/kernels_mma.py` sweep and
-    probe, four Llama-2-7B shapes, M ∈ {1, 8, 16, 32, 64}): the mma GEMV up to M = 64, set by the
-    width of the layer in 16-row tiles and by the column tiles (8 rows of x each). Narrow layers (o,
+    Measured on the H200 (`bench/kernels_mma.py` sweep and probe, four Llama-2-7B shapes,
+    M ∈ {1, 8, 16, 32, 64}): the mma GEMV up to M = 64, set by the width of the layer in 16-row tiles
+    and by the column tiles (8 rows of x each). Narrow layers (o,
     down: 256 row tiles) want 8 warps per program splitting K; layers with ≤ 6 row tiles per SM (qkv)
     4 warps; wider ones (gate_up) 2. From M = 32, wide and mid layers take 2 row tiles per warp (x
     shared between them) under a 168-register budget (12 warps per SM instead of 8). Programmatic
@@ -254,10 +254,10 @@ def _sm_count(device: torch.device) -> int:
 
 def _has_pdl(device: torch.device) -> bool:
     """Whether to use programmatic dependent launch (griddepcontrol, NVIDIA sm_90 and later): only with
-    QUANTKIT_PDL=1. It speeds up back-to-back GEMVs (4–20 % at M ≤ 16, runs 36–41), but in the graphed
-    decode step, where a GEMV follows kernels that never trigger early, it measured slower at batch 8
-    in single runs (39–40), and 0.98× (paired median; 0.96–1.13×) when interleaved on one machine
-    (run 82, bench/KERNELS_NOTES.md item 81), so it is off by default."""
+    QUANTKIT_PDL=1. It speeds up back-to-back GEMVs (4–20 % at M ≤ 16), but in the graphed decode
+    step, where a GEMV follows kernels that never trigger early, it measured 0.98× (paired median;
+    0.96–1.13×) when interleaved with it off on one machine (bench/probes/pdl_decode.py; see
+    bench/KERNELS_NOTES.md), so it is off by default."""
     if os.environ.get("QUANTKIT_PDL", "0") != "1" or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -353,14 +353,14 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
 
 def gluon_enabled() -> bool:
     """Whether the Gluon GEMM may be chosen: unless QUANTKIT_GLUON=0 (then the GEMV and dequantize +
-    cuBLAS take its rows of M, as before it existed)."""
+    cuBLAS take its rows of M)."""
     return os.environ.get("QUANTKIT_GLUON", "1") != "0"
 
 
 # Up to this M, an eager call takes the mma GEMV even where the Gluon GEMM is faster on the GPU: the
-# Gluon call costs 74–94 µs of host time (two launches, a TMA descriptor; run 64, launch_overhead.py
+# Gluon call costs 74–94 µs of host time (two launches, a TMA descriptor; bench/probes/launch_overhead.py
 # --gluon, M = 32 and 64) for 12–33 µs of GPU time, so back-to-back eager calls measured 81–94 µs per
-# call against the GEMV's 16–78 (run 63 and run 47 plain columns, all four Llama-2-7B shapes). Inside
+# call against the GEMV's 16–78 (plain launches, all four Llama-2-7B shapes). Inside
 # a CUDA graph the host cost is gone and the GEMM is faster. Above it the GEMM's eager call is level
 # with dequantize + cuBLAS's (81–105 µs against 49–139) and faster graphed, so it is chosen either way.
 EAGER_GEMV_MAX_M = 64

@@ -13,28 +13,28 @@ the fragment's input order, which the compiler proves free of data movement
 That order within a 128-input tile is, high bit to low, c1 c0 h i t1 t0 e (word 4·t + c holds inputs
 32·c + 8·t + o, o = 4·h + 2·i + e), so x must meet it: `permute_x` (one small Triton launch, ≈ 2 µs
 in a CUDA graph) writes x in that order, and the GEMM's x tiles are then plain [BM, 128] boxes. Measured
-alternatives (bench/KERNELS_NOTES.md items 55–57): torch's permute-and-copy cost 5–15 µs per call;
+alternatives: torch's permute-and-copy cost 5–15 µs per call;
 gathering x pair by pair in the kernel (4-byte cp.async) made the GEMM 17–27 % slower than this.
 
 x tiles and word tiles go through a ring of `stages` shared-memory slots filled by the copy engine
 (TMA), `stages − 1` tiles ahead, one mbarrier per slot; the wgmma of step t runs asynchronously while
 step t + 1's words are dequantized (one group in flight), so consecutive steps must hold their A
-operands in different registers: the K loop runs two steps per iteration (item 58). fp32 accumulation,
+operands in different registers: the K loop runs two steps per iteration. fp32 accumulation,
 fp16 output, optional bias. Layers too narrow to fill the GPU split K over 2–8 programs per output
-tile, summed by the last of them in the same launch (item 63). 4- or 8-bit weights, group sizes that
+tile, summed by the last of them in the same launch. 4- or 8-bit weights, group sizes that
 are multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA). Measured and
-not kept (items 76–77): K-tiles as two 64-input wgmma groups, and a producer warp issuing the copies
-(`gl.warp_specialize`, bench/gluon_ws.py) — both correct, neither faster.
+not kept: K-tiles as two 64-input wgmma groups, and a producer warp issuing the copies
+(`gl.warp_specialize`, bench/probes/gluon_ws.py) — both correct, neither faster.
 
 8-bit words: thread (g, t) holds words 8·t … 8·t + 7 (word 8·t + 2·c + h holds inputs 32·c + 8·t +
 4·h + byte), one `prmt` and two `fma` per fp16 pair (DEQ8_ASM, the W8 GEMV's arithmetic); its dot
 order is the 4-bit one with the byte's high bit in place of i, so `permute_x` serves both. A slot's
 8-bit block is [row half, chunk, g, t, 4 words] in memory, copied as a 3-D TMA box (`w_box`: a box is
-at most 256 wide), viewed as [ROWS / 8, 2, 128] and relabelled to (row, word) without data movement;
-the dispatch takes it for 16 < M ≤ 512, to 1024 on wide layers (`dispatch.gluon_choice8`, runs 68,
-70, 72; run 67 had found the first, 2-D box wrong). The Gluon API is experimental: this module is
+at most 256 wide, so a 2-D [rows / 16, 512] box would arrive as two copies one after the other, not
+row-major), viewed as [ROWS / 8, 2, 128] and relabelled to (row, word) without data movement; the
+dispatch takes it for 16 < M ≤ 512, to 1024 on wide layers (`dispatch.gluon_choice8`). The Gluon API is experimental: this module is
 written against the Triton 3.6 and 3.9 spellings and reports itself unavailable where the import
-fails. Figures: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 51–77.
+fails. Figures: BENCHMARKS.md ("Kernels"); the variants tried: bench/KERNELS_NOTES.md.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ if gluon is not None:
         # Two steps per iteration, so that consecutive steps' A operands are different registers: the
         # wgmma of step t still reads its A registers while step t + 1 dequantizes, and with one step
         # per iteration the next step wrote the same registers (results corrupted now and then at BM =
-        # 64, where the wgmma runs longest: run 57, bench/KERNELS_NOTES.md item 57).
+        # 64, where the wgmma runs longest; see bench/KERNELS_NOTES.md).
         for i in range(0, NK - 1, 2):
             acc, s, z = _step(i, k0, NK, acc, s, z, xbuf, wbuf, ready, x_desc, w_desc, s_ptr, z_ptr, rows, row_ok,
                               G, pid_m, pid_n, group_size, BM, STAGES, ROWS, BYTES, BITS, load_l, words_l, a_l)
@@ -448,7 +448,7 @@ def _permute_kernel(x_ptr, xp_ptr, K2, KP2, x_stride, xp_stride, BLOCK: tl.const
 
 # Launched through KeptKernel (launch.py): after the first call with a signature, the compiled kernel
 # is called directly, skipping the JIT front end's argument binding (≈ 150 µs per eager GEMM call
-# on the lent H200's host with the Gluon kernel's layout constexprs and descriptors, run 59).
+# on an H200 host with the Gluon kernel's layout constexprs and descriptors).
 _PERMUTE = KeptKernel(_permute_kernel)
 _GEMM = KeptKernel(gemm_kernel) if gluon is not None else None
 
@@ -470,48 +470,3 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     xp, grid, args = _permute_launch(x)
     _PERMUTE(grid, args)
     return xp
-
-
-def permute_torch(x: torch.Tensor) -> torch.Tensor:
-    """What `permute_x` computes, in torch (for the tests and `emulate`): input bits (high to low) c1 c0
-    t1 t0 h i e of each 128-input tile → dot order c1 c0 h i t1 t0 e."""
-    m, k = x.shape
-    kt = -(-k // TILE_K)
-    xp = torch.zeros(m, kt * TILE_K, dtype=x.dtype, device=x.device)
-    xp[:, :k] = x
-    return xp.reshape(m, kt, 4, 4, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(m, kt * TILE_K)
-
-
-def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
-    """What the GEMM computes, in torch, step for step (for the CPU tests): each word's values in input
-    order, dequantized as DEQ_ASM / DEQ8_ASM do ((q − z) · s rounded to fp16 once), relabelled by the
-    kernel's join / reshape / permute into the dot order, times x permuted into that order; fp32 [M, N]."""
-    k = x.shape[1]
-    n = mw.out_features
-    kt = -(-k // TILE_K)
-    per = TILE_K * mw.bits // 32  # words per row and K-tile
-    words = (_unblocks(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF).reshape(n, kt, per)
-    gi = torch.clamp(torch.arange(kt, device=x.device) * TILE_K // mw.group_size, max=mw.scales.shape[1] - 1)
-    z = mw.zeros.to(torch.float32)[:, gi][:, :, None]
-    s = mw.scales.to(torch.float32)[:, gi][:, :, None]
-
-    def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.stack([a, b], -1)
-
-    def values(w: torch.Tensor) -> list[torch.Tensor]:  # each word's values in input-offset order
-        if mw.bits == 4:
-            return [((((w >> (4 * W4_ORDER.index(o))) & 15).to(torch.float32) - z) * s).half() for o in range(8)]
-        return [((((w >> (8 * b)) & 255).to(torch.float32) - z) * s).half() for b in range(4)]
-
-    def relabel(q: list[torch.Tensor]) -> torch.Tensor:
-        if mw.bits == 4:
-            return join(join(join(q[0], q[1]), join(q[2], q[3])), join(join(q[4], q[5]), join(q[6], q[7])))
-        return join(join(q[0], q[1]), join(q[2], q[3]))
-
-    v = relabel(values(words))  # W4: [N, KT, 16 words, e, i, h]; W8: [N, KT, 32 words, byte bit 0, byte bit 1]
-    if mw.bits == 4:
-        v = v.reshape(n, kt, 2, 2, 2, 2, 2, 2, 2).permute(0, 1, 4, 5, 8, 7, 2, 3, 6)  # as the kernel, per K-tile
-    else:
-        v = v.reshape(n, kt, 4, 4, 2, 2, 2).permute(0, 1, 3, 4, 6, 2, 5)  # as the kernel, per K-tile
-    a = v.reshape(n, kt * TILE_K).float()
-    return permute_torch(x).float() @ a.t()

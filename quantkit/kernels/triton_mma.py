@@ -24,15 +24,15 @@ tile). W8: 32 words per tile, word 8·t + 2·c + h covering 128·T + 32·c + 8·
 order. These row words are then stored as one contiguous block per (16-row tile, K tile): [row
 half, chunk v, lane 4·g + t, 4 words], where row half h and lane hold row 16·r + 8·h + g and chunk v
 the thread's words 4v … 4v + 3. One warp-wide 16-byte load reads 512 contiguous bytes, and a program
-streams its 16 rows front to back (10 % faster at M = 1 than row-major words, run 26). qweight is
+streams its 16 rows front to back (10 % faster at M = 1 than row-major words). qweight is
 int32 [row tiles, K tiles · 64 · words per thread]; rows past N (up to a multiple of 64) and K past
 the last tile are zero.
 
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
 runs on NVIDIA GPUs only (sm_80 and later; PDL needs sm_90), not under a plain TRITON_INTERPRET; the
 CPU tests run the whole kernel under the interpreter with its inline PTX executed by a small PTX
-interpreter (tests/ptx_interp.py), and `emulate` reproduces the arithmetic in torch. Figures and
-the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md, items 14–42.
+interpreter (tests/ptx_interp.py), and tests/kernel_oracles.py reproduces the arithmetic in torch. Figures and
+the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, rows: 
 
     The zero point is taken off the weights before the mma (one `fma` per fp16 pair, exact), so each
     step costs one mma per column tile and row tile; an earlier form subtracted it with a second mma
-    per step and summed the odd nibbles in a second accumulator (bench/KERNELS_NOTES.md, items 14 and
-    27). x is loaded per 32-input chunk and shared by the `rows` row tiles (x is re-read once per 16·rows
+    per step and summed the odd nibbles in a second accumulator (slower; see bench/KERNELS_NOTES.md).
+    x is loaded per 32-input chunk and shared by the `rows` row tiles (x is re-read once per 16·rows
     weight rows). With several tiles or rows, all their word loads come first; ptxas keeps them in
     flight together only under a register budget (`maxnreg`).
     Operands: outputs acc[4·col_tiles·rows] (row tile r, column tile c at 4·(col_tiles·r + c));
@@ -442,7 +442,7 @@ class GemvLaunch:
     on has changed (16-byte alignment of the output, x's and the output's row strides modulo 16) and
     no launch hooks are set; otherwise they take the front end again. The front end binds and
     specializes every argument on every call, which is most of an eager call's host time
-    (bench/launch_overhead.py). See `gemv` for the parameters."""
+    (bench/probes/launch_overhead.py). See `gemv` for the parameters."""
 
     def __init__(self, mw: MmaWeights, bias: torch.Tensor | None, m: int, device: torch.device, *,
                  num_warps: int = 4, tiles: int = 1, rows: int = 1, warps_n: int = 1, split_k: int = 1,
@@ -536,7 +536,7 @@ def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl
     8·t + (0…7) (the nibble for input offset o is o with its three bits reversed: W4_ORDER is its
     own inverse), W8 words 8·t + 2·c + h hold 32·c + 8·t + 4·h + (0…3) in byte order. Permuting
     [t, c] to [c, t] puts the tile in input order; a tile lies in one group. (Gathering each row's
-    words from the blocks instead was 7–35 % slower, run 31.)"""
+    words from the blocks instead was 7–35 % slower.)"""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -593,36 +593,4 @@ def dequantize(mw: MmaWeights, dtype: torch.dtype, tiles: int = 2, num_warps: in
     grid = (triton.cdiv(r1 - r0, 16), triton.cdiv(triton.cdiv(k, TILE_K), tiles))
     _DEQUANT(grid, (mw.qweight[r0 // 16:], mw.scales[r0:r1], mw.zeros[r0:r1], out, r1 - r0, k, kw, g,
                     mw.group_size, mw.bits, tiles), num_warps=num_warps)
-    return out
-
-
-def emulate(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
-    """What the kernel computes, in torch on any device, following its operands (for the CPU tests):
-    fp16 pairs 1024 + q from the words, x pairs in the slots the layout assigns, the offset and zero
-    point off, fp32 sums per group, the scale once per group. Returns fp32 [M, N]."""
-    m, k = x.shape
-    n = mw.out_features
-    kp = -(-k // TILE_K) * TILE_K
-    words = _unblocks(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF
-    xs = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
-    xs[:, :k] = x.float()
-    if mw.bits == 4:
-        # pair i of step h: nibbles (p, p + 4), p = PAIR_NIBBLE[h][i] → input offsets 4h + 2i, 4h + 2i + 1
-        pieces = []
-        for h in range(2):
-            for p in PAIR_NIBBLE[h]:
-                pieces += [(words >> (4 * p)) & 0xF, (words >> (4 * p + 16)) & 0xF]
-        vals = torch.stack(pieces, -1)  # input offsets 0..7 in order
-    else:
-        vals = torch.stack([(words >> s) & 0xFF for s in (0, 8, 16, 24)], -1)  # offsets 0..3 of (t, c, h)
-    a = (vals.to(torch.float32) + 1024.0).reshape(n, kp // TILE_K, 4, 4, 8).transpose(2, 3).reshape(n, kp)
-    groups = torch.div(torch.arange(kp, device=x.device), mw.group_size, rounding_mode="floor")
-    groups = groups.clamp(max=mw.scales.shape[1] - 1)
-    z = mw.zeros.to(torch.float32)[:, groups] + 1024.0
-    s = mw.scales.to(torch.float32)
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    for gi in range(mw.scales.shape[1]):
-        sel = groups == gi
-        part = xs[:, sel] @ (a[:, sel] - z[:, sel]).t()
-        out += part * s[:, gi]
     return out

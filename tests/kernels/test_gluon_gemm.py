@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kernel_oracles import emulate_gluon_gemm, permute_x_torch
 from mma_layers import random_layer
 from ptx_interp import Warp, f2h, h2f
 
@@ -21,7 +22,7 @@ def test_dot_order_product_is_the_layer(n, k, group_size, bits):
     mw, _, w, g = random_layer(n, k, bits, group_size)
     x = torch.randn(7, k, generator=g).half()
     ref = x.float() @ w.t()
-    out = gluon_gemm.emulate(x, mw)
+    out = emulate_gluon_gemm(x, mw)
     assert ((out - ref).norm() / ref.norm()).item() < 2e-3
 
 
@@ -29,7 +30,7 @@ def test_dot_order_product_is_the_layer(n, k, group_size, bits):
 def test_w8_slot_view_is_the_row_words(rows):
     # `_words` (W8): a slot holds the TMA box `w_box` row-major ([row tiles, 2, 256] of qweight viewed as
     # [row tiles, K-tiles · 2, 256]); viewed as [rows / 8, 2, 128], reshaped and permuted as the kernel
-    # does, it must give each row's 32 words of the K-tile in row-word order (`emulate` starts from these)
+    # does, it must give each row's 32 words of the K-tile in row-word order (`emulate_gluon_gemm` starts from these)
     mw, _, _, _ = random_layer(3 * rows, 512, 8)
     box = gluon_gemm.w_box(rows, 8)[0] if gluon_gemm.gluon is not None else [rows // 16, 2, 256]
     assert box == [rows // 16, 2, 256]
@@ -48,8 +49,8 @@ def test_permute_x_kernel_matches_torch(triton_interpreter, m, k):
     x = torch.randn(m, k, generator=g).half()
     xp = gluon_gemm.permute_x(x)
     assert xp.shape == (m, -(-k // 128) * 128)
-    assert torch.equal(xp, gluon_gemm.permute_torch(x))
-    natural = gluon_gemm.permute_torch(torch.arange(xp.shape[1], dtype=torch.float32)[None, :])[0]
+    assert torch.equal(xp, permute_x_torch(x))
+    natural = permute_x_torch(torch.arange(xp.shape[1], dtype=torch.float32)[None, :])[0]
     assert not xp[:, natural >= k].any()  # the padding is zero, not whatever torch.empty held
 
 
@@ -57,9 +58,9 @@ def test_permute_x_of_a_strided_view(triton_interpreter):
     g = torch.Generator().manual_seed(1)
     big = torch.randn(4, 300, generator=g).half()
     x = big[:, 22:278]  # rows 300 apart, offset by 44 bytes
-    assert torch.equal(gluon_gemm.permute_x(x), gluon_gemm.permute_torch(x.contiguous()))
+    assert torch.equal(gluon_gemm.permute_x(x), permute_x_torch(x.contiguous()))
     odd = torch.randn(1 + 3 * 256, generator=g).half()[1:].view(3, 256)  # contiguous, 2 bytes off
-    assert torch.equal(gluon_gemm.permute_x(odd), gluon_gemm.permute_torch(odd))
+    assert torch.equal(gluon_gemm.permute_x(odd), permute_x_torch(odd))
 
 
 def test_aligned_copies_only_when_needed():
@@ -73,7 +74,7 @@ def test_aligned_copies_only_when_needed():
 def test_permutation_is_the_documented_bit_swap():
     # input 32·c + 8·t + 4·h + 2·i + e lands at dot position 32·c + 16·h + 8·i + 2·t + e
     x = torch.arange(128, dtype=torch.float32)[None, :]
-    xp = gluon_gemm.permute_torch(x)[0].long()
+    xp = permute_x_torch(x)[0].long()
     for d in range(128):
         c, h, i, t, e = d >> 5, (d >> 4) & 1, (d >> 3) & 1, (d >> 1) & 3, d & 1
         assert xp[d] == 32 * c + 8 * t + 4 * h + 2 * i + e

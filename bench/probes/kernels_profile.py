@@ -1,7 +1,7 @@
 """One kernel launch to profile with Nsight Compute, on a Llama-2-7B shape (M = 1 unless --m).
 
     ncu --kernel-name regex:gemv_kernel --launch-skip 3 --launch-count 1 --set full \\
-        python bench/kernels_profile.py [--kernel table|mma] [--shape qkv] [--m 1] [--warps 4] [--tiles 1]
+        python bench/probes/kernels_profile.py [--kernel table|mma] [--shape qkv] [--m 1] [--warps 4] [--tiles 1]
 
 (PYTHONPATH=. from the repository root.) Launches the chosen kernel five times: `table` is the
 dispatch table's choice, `mma` the tensor-core GEMV with the given warps, tiles per step

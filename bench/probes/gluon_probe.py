@@ -1,6 +1,6 @@
 """Configurations of the Gluon W4 / W8 GEMM (quantkit/kernels/gluon_gemm.py) against the dispatch and fp16.
 
-    PYTHONPATH=. python bench/gluon_probe.py [--ms 16,32,48,64,96,128,192,256] [--bits 4|8] [--out DIR]
+    PYTHONPATH=. python bench/probes/gluon_probe.py [--ms 16,32,48,64,96,128,192,256] [--bits 4|8] [--out DIR]
 
 First a correctness check of every configuration (K × N = 4096 × 1000, 4096 × 4096, 11008 × 4096,
 200 × 136 with one group per row, 1024 × 520 with g256; M = 1, 16, 17, 77, 300; bias and split-K
@@ -9,7 +9,7 @@ Llama-2-7B shape and M: fp16 F.linear, the dispatch's choice, torch's and the Tr
 alone, and each configuration of SMALL (M ≤ 64) or LARGE (M ≥ 96) (BM, ring slots, weight rows per
 program, split-K), CUDA-graph medians over a ring of weights. `dispatch.gluon_choice` was set from this
 script's output (runs 57–58, 61–62; bench/KERNELS_NOTES.md items 54–63). `--launch LABEL` only launches one configuration, for Nsight
-Compute (bench/gluon_profile.sh).
+Compute (bench/probes/gluon_profile.sh).
 
 The shared-memory-A form (dequantized weights stored to a shared-memory A tile, x unpermuted; run 61,
 item 62: slower than this kernel everywhere) is in git history at commit e98489f (bench/gluon_smem_a.py).
@@ -59,13 +59,14 @@ def main() -> None:
     from bench.kernel_timing import graph_us, rel_err
     from bench.kernels_mma import _rings, random_mw, reference
     from quantkit.kernels import dispatch, gluon_gemm
+    from tests.kernel_oracles import permute_x_torch  # torch's permute-and-copy, timed beside permute_x
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="16,32,64,128,256,1024", help="rows of x")
     ap.add_argument("--out", type=Path, default=None, help="directory for gluon_probe.json")
     ap.add_argument("--launch", default=None, metavar="LABEL",
                     help="only launch the variant LABEL (as printed, e.g. 'gg(64, 4, 64, 1)') five times on "
-                         "--shape at the first of --ms, for Nsight Compute (bench/gluon_profile.sh)")
+                         "--shape at the first of --ms, for Nsight Compute (bench/probes/gluon_profile.sh)")
     ap.add_argument("--shape", default="qkv", help="with --launch: the Llama-2-7B linear")
     ap.add_argument("--check-only", action="store_true", help="only the correctness check")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check (timings only)")
@@ -135,7 +136,7 @@ def main() -> None:
             row = {"shape": shape, "m": m, "fp16_us": graph_us([lambda w=w: F.linear(x, w) for w in fp16])}
             choice = dispatch.choice_for(ring[0], m, x.device, graphed=True)
             row["dispatch_us"] = graph_us([lambda mw=mw: dispatch.run(x, mw, None, choice) for mw in ring])
-            row["permute_us"] = graph_us([lambda: gluon_gemm.permute_torch(x)])
+            row["permute_us"] = graph_us([lambda: permute_x_torch(x)])
             xs = [torch.randn(m, k, device="cuda", dtype=torch.float16) for _ in range(4)]
             row["permute_triton_us"] = graph_us([lambda xi=xi: gluon_gemm.permute_x(xi) for xi in xs])
             for label, fn in _variants(m):

@@ -1,6 +1,6 @@
 # Nsight Compute on configurations of the Gluon GEMM (quantkit/kernels/gluon_gemm.py), through
-# bench/gluon_probe.py --launch: stall reasons per issued instruction, occupancy, DRAM and L2 throughput.
-#   bash bench/gluon_profile.sh [SHAPE] [M] [LABEL ...]     # default: qkv, M = 256, BM 128 with 64 and 128 rows
+# bench/probes/gluon_probe.py --launch: stall reasons per issued instruction, occupancy, DRAM and L2 throughput.
+#   bash bench/probes/gluon_profile.sh [SHAPE] [M] [LABEL ...]     # default: qkv, M = 256, BM 128 with 64 and 128 rows
 # Run 53 (bench/results/ncu_gluon_run53.txt, qkv M = 64, the probe's earlier forms) found no proxy-fence
 # stalls; fixed-latency dependencies and global loads dominate (bench/KERNELS_NOTES.md item 54). Queued
 # (item 66's next step 1): whether L2 throughput limits M = 256, where each 64-row program reads its
@@ -16,5 +16,5 @@ M="$M,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum.per_sec
 for label in "${labels[@]}"; do
   ncu --kernel-name regex:gemm_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
       --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis --metrics $M \
-      python bench/gluon_probe.py --launch "$label" --shape "$shape" --ms "$m" 2>&1 | grep -v "^==PROF=="
+      python bench/probes/gluon_probe.py --launch "$label" --shape "$shape" --ms "$m" 2>&1 | grep -v "^==PROF=="
 done

@@ -10,7 +10,7 @@ generation of `--new` tokens after a `--prompt`-token random prompt at batch 1 (
 Also checks that graph replay gives exactly the tokens of the same loop run eagerly. Tokens/s count
 new tokens only, after one warm-up run of each variant; wall time by CUDA synchronisation.
 
-    PYTHONPATH=. python bench/decode_speed.py --work /tmp/decode --out decode.json [--layers 32]
+    PYTHONPATH=. python bench/probes/decode_speed.py --work /tmp/decode --out decode.json [--layers 32]
 """
 
 from __future__ import annotations

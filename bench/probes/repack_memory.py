@@ -1,6 +1,6 @@
 """Transient host memory of repacking one layer for the kernels (checkpoint tensors → block-planar → mma).
 
-    PYTHONPATH=. python bench/repack_memory.py [--k 4096 --n 22016]
+    PYTHONPATH=. python bench/probes/repack_memory.py [--k 4096 --n 22016]
 
 Each measurement runs in a fresh process: peak resident memory (ru_maxrss) over what the random AWQ
 checkpoint tensors already took, for the default row chunks and for whole layers at once (the

@@ -1,6 +1,6 @@
 """Where the eager (no CUDA graph) call of a QuantLinear spends its time, on the GPU.
 
-    PYTHONPATH=. python bench/launch_overhead.py [--calls 300] [--profile] [--gluon]
+    PYTHONPATH=. python bench/probes/launch_overhead.py [--calls 300] [--profile] [--gluon]
 
 Times, per call, a loop of eager calls at M = 1 on the 4096 × 4096 (o) shape, each timed as host
 wall time over the loop after a synchronize (the GPU work per call is ≈ 6 µs, so what shows is the

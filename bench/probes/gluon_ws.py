@@ -1,6 +1,6 @@
 """Probe: the Gluon GEMM with a producer warp — correct, and slower than the package kernel (run 75).
 
-    PYTHONPATH=. python bench/gluon_ws.py [--ms 64,128,256,512,1024] [--bits 4|8] [--out DIR]
+    PYTHONPATH=. python bench/probes/gluon_ws.py [--ms 64,128,256,512,1024] [--bits 4|8] [--out DIR]
 
 Why (bench/KERNELS_NOTES.md items 70 and 75): at M ≥ 256 quantkit/kernels/gluon_gemm.py is
 latency-bound with 8 warps per SM, and each of its K-steps syncs the program's 4 warps four times

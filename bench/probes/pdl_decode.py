@@ -1,6 +1,6 @@
 """Does programmatic dependent launch slow the graphed decode? An interleaved A/B on one machine (H200).
 
-    PYTHONPATH=. python bench/pdl_decode.py --work /tmp/decode [--layers 32] [--reps 5] [--out pdl.json]
+    PYTHONPATH=. python bench/probes/pdl_decode.py --work /tmp/decode [--layers 32] [--reps 5] [--out pdl.json]
 
 Why (bench/KERNELS_NOTES.md items 39–40): PDL made back-to-back GEMVs 4–20 % faster at M ≤ 16, but two
 decode runs (run 39, 32 layers; run 40, 8 layers) read the W4 model slower with it at batch 8 (844 vs
@@ -11,7 +11,7 @@ each setting's tokens are compared with the other's: the kernels differ in launc
 must agree exactly. A layer keeps its GEMV launch per M once made (`dispatch.gemv_launch`, with the
 PDL choice of that moment), so each setting keeps its own set, swapped in at every switch (made in
 the untimed first round), and the launches made with PDL are counted after each run. Medians of graphed `quantkit.runtime.decode.generate` (graph captured per call,
-as in bench/decode_speed.py, after one warm-up per setting); tokens/s count new tokens only.
+as in bench/probes/decode_speed.py, after one warm-up per setting); tokens/s count new tokens only.
 """
 
 from __future__ import annotations

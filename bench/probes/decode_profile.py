@@ -1,8 +1,8 @@
 """Host-side profile of eager decoding (transformers' generate) of the W4 and fp16 models, per batch size.
 
-    PYTHONPATH=. python bench/decode_profile.py --work /tmp/decode-prof [--layers 4] [--batches 1,8]
+    PYTHONPATH=. python bench/probes/decode_profile.py --work /tmp/decode-prof [--layers 4] [--batches 1,8]
 
-Builds the random-weight Llama-2-7B-shape checkpoint of bench/decode_speed.py with fewer layers, then for
+Builds the random-weight Llama-2-7B-shape checkpoint of bench/probes/decode_speed.py with fewer layers, then for
 each batch size times `--new` greedy tokens eagerly and prints cProfile's top functions by own time:
 where the host time of an eager decode step goes.
 """

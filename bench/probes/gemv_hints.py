@@ -1,9 +1,9 @@
 """Probe: the mma GEMV's word loads with other PTX cache hints (M = 1 and 16, four Llama-2-7B shapes, H200).
 
-    PYTHONPATH=. python bench/gemv_hints.py [--out DIR] [--compile-only]
+    PYTHONPATH=. python bench/probes/gemv_hints.py [--out DIR] [--compile-only]
 
 Why (bench/KERNELS_NOTES.md item 79): at M = 1 the W4 GEMV reaches 66–77 % of what a read-only kernel
-moves for the same bytes (bench/read_floor.py), W8 79–92 %. The words are read with
+moves for the same bytes (bench/probes/read_floor.py), W8 79–92 %. The words are read with
 `ld.global.L1::no_allocate.v4.u32`, one warp-wide load covering 512 contiguous bytes; an L2 miss then
 fetches 32-byte sectors. The variants ask L2 to fetch 128 or 256 bytes per miss (`.L2::128B`,
 `.L2::256B`), add the non-coherent read-only path (`.nc`), or cache at L2 only (`.cg`). Every variant

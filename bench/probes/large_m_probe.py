@@ -1,6 +1,6 @@
 """Probe for M ≥ 128: dequantize + cuBLAS in row chunks through one reused scratch buffer (run 43: never faster).
 
-    PYTHONPATH=. python bench/large_m_probe.py --out DIR [--chunks 1024,2048,4096] [--ms 128,256,1024]
+    PYTHONPATH=. python bench/probes/large_m_probe.py --out DIR [--chunks 1024,2048,4096] [--ms 128,256,1024]
 
 Today's path (dispatch.run, "dequant+cublas") writes the whole fp16 weight (4× the packed bytes) and
 cuBLAS reads it back from DRAM: 35 µs for qkv before the GEMM (bench/KERNELS_NOTES.md, item 31).

@@ -1,6 +1,6 @@
 """How fast can any one kernel read a W4 / W8 layer's bytes? The floor under the M = 1 targets (H200).
 
-    PYTHONPATH=. python bench/read_floor.py --out DIR
+    PYTHONPATH=. python bench/probes/read_floor.py --out DIR
 
 A read-only Triton kernel (16-byte loads, `unroll` loads in flight per thread, XOR-reduced so that
 nothing is optimised away, one int32 written per program) streams exactly the bytes of each
