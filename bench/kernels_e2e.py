@@ -6,9 +6,8 @@ with quantkit's RTN primitives on the GPU, writes the AWQ-format checkpoint with
 loads it with quantkit.load on CUDA and compares the logits of the Triton path with the torch
 reference path (QUANTKIT_KERNEL=reference), for a one-token and a multi-token input. Then times one
 decoder block at batch 1, one token, W4 (Triton) against the same block in fp16, by CUDA-graph replay; and
-a 64-token block forward replayed from a CUDA graph (the Gluon GEMM on Hopper) against the same forward on
-the reference path (queued this session, not run: runs 59–63 compared it with the eager Triton
-forward, which no longer takes the Gluon GEMM at 64 tokens; `dispatch.EAGER_GEMV_MAX_M`).
+a 64-token block forward replayed from a CUDA graph (the Gluon GEMM on Hopper; the eager forward takes the
+GEMV at 64 tokens, `dispatch.EAGER_GEMV_MAX_M`) against the same forward on the reference path.
 
     PYTHONPATH=. python bench/kernels_e2e.py --work /tmp/e2e [--layers 2]
 """
