@@ -113,7 +113,8 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choic
     - M ≤ 64: qkv 23.7 µs (BM 64), gate_up 33.6, o 12.8 (split 2; the GEMV 15.8), down 23.4 (split 4; the
       GEMV 38.5).
     - M ≤ 128: 128 rows of x per program: qkv 30.7, gate_up 51.0 (61.0 at BM 64), down split 2 33.7
-      (45.3); o keeps BM 64 (16.4 vs 17.5). qkv and gate_up at M ≤ 96 keep M = 64's configuration.
+      (45.3); o keeps BM 64 (16.4 vs 17.5). At M ≤ 96, qkv and gate_up take what measured fastest at
+      M = 96: 128 weight rows per program, BM 128 (qkv) and BM 64 (gate_up).
     - M ≤ 256: BM 128; qkv with two ring slots (52.7 vs 55.8 µs), down split 2 (50.3 vs 54.2); gate_up
       BM 256 (86.4 vs 90.9 µs; 255 registers, 348 bytes spilled in the epilogue only).
     - M ≤ 512: BM 256, three slots (qkv 86.9 vs 90.9 µs for BM 128, o 29.3 vs 31.5, down 78.2 vs
