@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import KeptKernel, interpreted
-from quantkit.kernels.triton_mma import W4_ORDER, MmaWeights, _unblocks
+from quantkit.kernels.triton_mma import MmaWeights
 from quantkit.kernels.triton_splitk import clamp_split, counters, workspace
 
 try:
