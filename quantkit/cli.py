@@ -166,15 +166,25 @@ def eval_ppl(
                                         "(default: the checkpoint's own)."),
     data_dir: str | None = DATA_DIR,
     device: str | None = DEVICE,
+    engine: bool = typer.Option(False, "--engine", help="Run the inference engine's decoder over its paged KV "
+                                "pool (--kv-bits 8/4: the engine's online per-token codes)."),
     as_json: bool = AS_JSON,
     quiet: bool = QUIET,
 ) -> None:
     """Perplexity of each model: whole text tokenized once, non-overlapping windows, mean NLL of every token."""
-    from quantkit.eval.compare import evaluate_models
-
     _setup_logging(quiet or as_json)
-    result = evaluate_models(models, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, kv_stats, device,
-                             progress=not (quiet or as_json))
+    if engine:
+        from quantkit.eval.engine_perplexity import evaluate_on_engine
+
+        if kv_scales != "online" or kv_stats:
+            raise UserError("--engine codes K/V with online per-token scales: drop --kv-scales/--kv-stats")
+        result = evaluate_on_engine(models, dataset, seqlen, windows, data_dir, kv_bits, device,
+                                    progress=not (quiet or as_json))
+    else:
+        from quantkit.eval.compare import evaluate_models
+
+        result = evaluate_models(models, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, kv_stats, device,
+                                 progress=not (quiet or as_json))
     _print_result(result, as_json)
 
 

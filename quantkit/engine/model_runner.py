@@ -173,6 +173,18 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sampled else None
         return logits, step.sampled
 
+    @torch.no_grad()
+    def prompt_logits(self, batch) -> torch.Tensor:
+        """Forward one batch of prefill chunks, as `run`, and return the float32 logits [T, vocab] of every
+        new token in batch order, not only of the sampled ones (prompt log-probabilities, perplexity)."""
+        step = self.prepare(batch)
+        set_metadata(step.meta)
+        try:
+            hidden = self.model(step.input_ids, step.positions)
+        finally:
+            set_metadata(None)
+        return self.model.compute_logits(hidden)
+
     # --- CUDA graphs for decode steps ---------------------------------------------------------------
 
     def _bucket(self, batch_size: int) -> Optional[int]:
