@@ -12,8 +12,8 @@ if [ "$part" = all ] || [ "$part" = tests ]; then
   timeout 150 python -m pytest -q -m gpu tests/gpu/test_gpu_engine.py -x 2>&1 | tail -25
 fi
 if [ "$part" = all ] || [ "$part" = latency ]; then
-  timeout 240 python bench/latency.py --out "$out"/latency.json 2>&1 | grep -v "it/s" | tail -12
+  timeout 240 python -m bench.latency --out "$out"/latency.json 2>&1 | grep -v "it/s" | tail -12
 fi
 if [ "$part" = all ] || [ "$part" = throughput ]; then
-  timeout 200 python bench/throughput.py --out "$out"/throughput.json 2>&1 | grep -v "it/s" | tail -6
+  timeout 200 python -m bench.throughput --out "$out"/throughput.json 2>&1 | grep -v "it/s" | tail -6
 fi

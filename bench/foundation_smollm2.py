@@ -1,6 +1,6 @@
 """RTN and int8 on SmolLM2-135M-Instruct: PTB/WikiText-2 test perplexity against the fp32 model.
 
-    python bench/foundation_smollm2.py [--windows 40] [--seqlen 512] [--out runs/foundation]
+    python -m bench.foundation_smollm2 [--windows 40] [--seqlen 512] [--out runs/foundation]
 
 Protocol: the plain one of quantkit.eval.perplexity (non-overlapping windows, first N), fp32 on the CPU.
 """
@@ -19,7 +19,7 @@ from quantkit.config import QuantizeConfig, WeightQuantConfig
 from quantkit.eval.perplexity import perplexity
 from quantkit.models.loading import load_fp_model
 
-from common import SHARED_DATA, smollm2_gguf
+from bench.lib.common import SHARED_DATA, smollm2_gguf
 
 SCHEMES = {
     "int8 (per channel, sym)": QuantizeConfig(method="int8", weight=WeightQuantConfig(8, -1, True)),

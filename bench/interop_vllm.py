@@ -13,7 +13,7 @@ that is a multiple of 32) are quantized by `quantkit.quantize` with AWQ, W4 g32,
 calibrated on a list of texts so that each export carries KV statistics. quantkit decodes each
 export greedily (`quantkit.load` + `generate`, the torch reference path) in float16, the dtype vLLM
 runs it in (its CPU W4A16 kernel takes no float32: in fp32, quantkit differs from both where the
-top two logits are within fp16's rounding); bench/vllm_greedy.py, run by the vLLM Python, loads it
+top two logits are within fp16's rounding); bench/lib/vllm_greedy.py, run by the vLLM Python, loads it
 with `vllm.LLM(path, enforce_eager=True, dtype="float16")` and decodes the same token ids. Rows:
 - awq, kv_cache_dtype auto: vLLM's default (quant_method awq carries no KV scales; unquantized cache).
 - compressed-tensors, kv_cache_dtype float16: the export's fp8 k_scale/v_scale are loaded but the
@@ -186,7 +186,7 @@ def main() -> int:
     jobs_file, results_file = work / "vllm_jobs.json", work / "vllm_results.json"
     jobs_file.write_text(json.dumps(jobs))
     t1 = time.perf_counter()
-    subprocess.run([args.vllm_python, str(ROOT / "bench" / "vllm_greedy.py"), str(jobs_file), str(results_file)],
+    subprocess.run([args.vllm_python, str(ROOT / "bench" / "lib" / "vllm_greedy.py"), str(jobs_file), str(results_file)],
                    check=False, cwd=str(work))
     print(f"vLLM ran {len(jobs)} loads in {time.perf_counter() - t1:.0f} s")
     vllm_out = json.loads(results_file.read_text()) if results_file.is_file() else {"vllm": "?", "results": []}

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/kernels.py --out DIR [--tune] [--table table.json]
 
---tune first times every candidate kernel configuration (bench/kernel_candidates.py) summed over the
+--tune first times every candidate kernel configuration (bench/lib/kernel_candidates.py) summed over the
 four shapes, per M, and installs the fastest as the dispatch table (written to DIR/table.json, then
 copied into quantkit/kernels/dispatch.py). The benchmark proper goes through dispatch.run with the
 layout and kernel choice the runtime gives such a layer (on CUDA the mma layout and
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.kernel_candidates import SHAPES, random_kw, tune
-from bench.kernel_timing import copy_bandwidth, graph_us, plain_us, ring_size
+from bench.lib.kernel_candidates import SHAPES, random_kw, tune
+from bench.lib.kernel_timing import copy_bandwidth, graph_us, plain_us, ring_size
 from quantkit.kernels import dispatch, triton_mma
 from quantkit.kernels.triton_mma import MmaWeights
 
@@ -111,7 +111,7 @@ def precompile(ms, w8_ms, workers: int = 15) -> None:
     """Compile the mma GEMVs the dispatch picks here (with and without PDL) in parallel processes."""
     import multiprocessing as mp
 
-    from bench.kernels_mma import _compile_one
+    from bench.lib.kernels_mma import _compile_one
 
     if BLOCK_PLANAR:
         return

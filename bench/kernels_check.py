@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from bench.kernel_timing import rel_err
+from bench.lib.kernel_timing import rel_err
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
 from quantkit.kernels import dispatch, gluon_gemm, reference, triton_layout, triton_mma

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernel_timing import graph_us, plain_us, rel_err
+from bench.lib.kernel_timing import graph_us, plain_us, rel_err
 from quantkit.kernels.capture import graph_warmup
 
 

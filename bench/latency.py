@@ -1,22 +1,17 @@
 """Batch-1 decode speed of the engine (tokens/s after the first token; the prompt excluded), on
 random-weight models of real shapes: every combination of the flags' lists, one table.
 
-    python bench/latency.py                                   # Llama-2-7B, Llama-3-8B, InternLM2-1.8B; W4 and fp16
-    python bench/latency.py --shapes llama2-7b --weights w4 --kv-bits 16,8 --out latency.json
-    python bench/latency.py --tiny                            # CPU smoke run
+    python -m bench.latency                                   # Llama-2-7B, Llama-3-8B, InternLM2-1.8B; W4 and fp16
+    python -m bench.latency --shapes llama2-7b --weights w4 --kv-bits 16,8 --out latency.json
+    python -m bench.latency --tiny                            # CPU smoke run
 Also `quantkit bench latency` (one combination).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import itertools
-import json
 
-import torch
-
-from quantkit.engine.benchmark import BenchSetup, latency, print_rows
+from quantkit.engine.benchmark import latency, run_grid
 
 
 def main() -> None:
@@ -29,20 +24,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
-    shapes = ["tiny"] if args.tiny else args.shapes.split(",")
-    rows = []
-    for shape, weights, bits in itertools.product(shapes, args.weights.split(","), args.kv_bits.split(",")):
-        rows.append(latency(BenchSetup(shape, weights, int(bits), args.tiny), args.input_len, args.output_len))
-        print(json.dumps(rows[-1]), flush=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    if torch.cuda.is_available() and not args.tiny:
-        print(torch.cuda.get_device_name())
-    print_rows(rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    measure = lambda setup: latency(setup, args.input_len, args.output_len)  # noqa: E731
+    run_grid(measure, args.shapes.split(","), args.weights.split(","), [int(b) for b in args.kv_bits.split(",")],
+             args.tiny, out=args.out)
 
 
 if __name__ == "__main__":

@@ -76,8 +76,8 @@ def main() -> None:
     if args.compile_only:
         compile_all()
         return
-    from bench.kernel_timing import graph_us, rel_err
-    from bench.kernels_mma import _rings, reference
+    from bench.lib.kernel_timing import graph_us, rel_err
+    from bench.lib.kernels_mma import _rings, reference
 
     rows, fails = [], 0
     for bits, ms, shape, _, n, mws, _ in _rings(((4, (1, 16)), (8, (1, 16))), with_fp16=False):

@@ -56,8 +56,8 @@ def _variants(m: int | None = None):
 
 
 def main() -> None:
-    from bench.kernel_timing import graph_us, rel_err
-    from bench.kernels_mma import _rings, random_mw, reference
+    from bench.lib.kernel_timing import graph_us, rel_err
+    from bench.lib.kernels_mma import _rings, random_mw, reference
     from quantkit.kernels import dispatch, gluon_gemm
     from tests.kernel_oracles import permute_x_torch  # torch's permute-and-copy, timed beside permute_x
 
@@ -82,7 +82,7 @@ def main() -> None:
     timing_gs = 128 if bits == 4 else -1
     ms = [int(v) for v in args.ms.split(",")]
     if args.launch:
-        from bench.kernel_candidates import SHAPES
+        from bench.lib.kernel_candidates import SHAPES
 
         k, n = SHAPES[args.shape]
         fn = dict(_variants())[args.launch]

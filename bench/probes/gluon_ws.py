@@ -166,8 +166,8 @@ CONFIGS = [(128, 3, 1, 128, 160), (128, 2, 1, 128, 160), (64, 4, 1, 128, 160), (
 
 
 def main() -> None:
-    from bench.kernel_timing import graph_us, rel_err
-    from bench.kernels_mma import _rings, random_mw, reference
+    from bench.lib.kernel_timing import graph_us, rel_err
+    from bench.lib.kernels_mma import _rings, random_mw, reference
     from quantkit.kernels import dispatch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

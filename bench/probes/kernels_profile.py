@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from bench.kernel_candidates import SHAPES, random_kw
+from bench.lib.kernel_candidates import SHAPES, random_kw
 from quantkit.kernels import dispatch, triton_mma
 
 

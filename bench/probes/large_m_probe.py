@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.kernel_timing import graph_us, rel_err
-from bench.kernels_mma import _rings
+from bench.lib.kernel_timing import graph_us, rel_err
+from bench.lib.kernels_mma import _rings
 from quantkit.kernels import dispatch, triton_mma
 
 

@@ -95,8 +95,8 @@ def check(layer: QuantLinear) -> int:
 
 def gluon_parts(calls: int, profile: bool, shape: str = "qkv", m: int = 64) -> int:
     """The Gluon GEMM's eager call and its parts, µs per call (printed); returns check failures."""
-    from bench.kernel_candidates import SHAPES
-    from bench.kernels_mma import random_mw
+    from bench.lib.kernel_candidates import SHAPES
+    from bench.lib.kernels_mma import random_mw
     from quantkit.kernels import gluon_gemm
     from quantkit.kernels.triton_splitk import counters, workspace
 

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.kernel_timing import copy_bandwidth, graph_us, ring_size
-from bench.kernels_mma import _rings
+from bench.lib.kernel_timing import copy_bandwidth, graph_us, ring_size
+from bench.lib.kernels_mma import _rings
 from quantkit.kernels import dispatch
 
 # (num_warps, unroll): loads in flight per thread = unroll, bytes per program step = nw·32·16·unroll

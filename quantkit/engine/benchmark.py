@@ -7,9 +7,12 @@ config with random weights (4-bit group-128 packed codes for "w4"): no checkpoin
 
 from __future__ import annotations
 
+import gc
+import itertools
+import json
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -70,8 +73,8 @@ def latency(setup: BenchSetup, prompt_len: int = 32, output_len: int = 256, runs
     engine = setup.engine(max_num_seqs=1, max_model_len=prompt_len + output_len + 1)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     best_decode, best_ttft = float("inf"), float("inf")
-    for run in range(runs + 1):
-        prompt = _random_prompts(1, prompt_len, engine.model.config.vocab_size, seed=run)[0]
+    for attempt in range(runs + 1):
+        prompt = _random_prompts(1, prompt_len, engine.model.config.vocab_size, seed=attempt)[0]
         _sync(engine)
         start = time.perf_counter()
         stamps = []
@@ -79,7 +82,7 @@ def latency(setup: BenchSetup, prompt_len: int = 32, output_len: int = 256, runs
             stamps.extend([time.perf_counter()] * len(out.token_ids))  # the token is on the host: step synced
         if len(stamps) != output_len:
             raise RuntimeError(f"expected {output_len} tokens, got {len(stamps)}")
-        if run:  # run 0 warms up (kernels compiled, graphs already captured at start)
+        if attempt:  # the first attempt warms up (kernels compiled; graphs were captured at start)
             best_decode = min(best_decode, stamps[-1] - stamps[0])
             best_ttft = min(best_ttft, stamps[0] - start)
     return {"bench": "latency", **setup.describe(), "input_len": prompt_len, "output_len": output_len,
@@ -115,3 +118,23 @@ def print_rows(rows: list[dict]) -> None:
     print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
     for c in cells:
         print("  ".join(v.ljust(w) for v, w in zip(c, widths)))
+
+
+def run_grid(measure: Callable[[BenchSetup], dict], shapes: list[str], weights: list[str], kv_bits: list[int],
+             tiny: bool = False, cache_max_entry_count: float = 0.8, out: Optional[str] = None) -> list[dict]:
+    """`measure` on every shape × weights × KV-bits combination, one engine at a time (freed before the
+    next): each row printed as JSON as it comes, then the table; the rows written to `out` as JSON."""
+    rows = []
+    for shape, w, bits in itertools.product(["tiny"] if tiny else shapes, weights, kv_bits):
+        rows.append(measure(BenchSetup(shape, w, bits, tiny, cache_max_entry_count)))
+        print(json.dumps(rows[-1]), flush=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if torch.cuda.is_available() and not tiny:
+        print(torch.cuda.get_device_name())
+    print_rows(rows)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows

@@ -206,7 +206,7 @@ def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: i
     """The mma-layout kernel for M rows of x and N outputs on a GPU with `sms` SMs (`pdl`: the GPU
     has programmatic dependent launch, sm_90 and later).
 
-    Measured on the H200 (`bench/kernels_mma.py` sweep and probe, four Llama-2-7B shapes,
+    Measured on the H200 (`bench/lib/kernels_mma.py` sweep and probe, four Llama-2-7B shapes,
     M ∈ {1, 8, 16, 32, 64}): the mma GEMV up to M = 64, set by the width of the layer in 16-row tiles
     and by the column tiles (8 rows of x each). Narrow layers (o,
     down: 256 row tiles) want 8 warps per program splitting K; layers with ≤ 6 row tiles per SM (qkv)

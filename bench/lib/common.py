@@ -6,7 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-SHARED_DATA = Path(os.environ.get("QUANTKIT_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "calib_data"))
+SHARED_DATA = Path(os.environ.get("QUANTKIT_DATA_DIR", Path(__file__).resolve().parents[3] / "shared" / "calib_data"))
 
 
 def smollm2_gguf() -> Path:
