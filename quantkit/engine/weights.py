@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from quantkit.formats import compressed_tensors
+from quantkit.formats.quant_config import layout_problem
 from quantkit.models import internlm2, lazy
-from quantkit.models.loading import ModelLoadError, read_config_json
+from quantkit.models.loading import ModelLoadError, read_config_json, transformers_config
 from quantkit.models.registry import spec_for_config
 from quantkit.nn.quant_linear import QuantLinear
 
@@ -41,7 +42,7 @@ class Checkpoint:
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     if not path.exists():
         raise ModelLoadError(f"{path} does not exist: pass a Hugging Face model directory or a quantkit export")
@@ -54,33 +55,15 @@ def open_checkpoint(path: Path) -> Checkpoint:
         return Checkpoint(path, LlamaConfig(**internlm2.llama_config_dict(cfg)), lazy.TensorReader(path),
                           convert=lambda sd: internlm2.to_llama_state_dict(sd, cfg))
     quant = cfg.get("quantization_config")
-    if quant:
-        _check_quant_config(path, quant)
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{path}/config.json cannot be read by transformers: {exc}".splitlines()[0]) from None
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    problem = layout_problem(quant) if quant else None
+    if problem:
+        raise ModelLoadError(f"{path}: {problem}")
+    config = transformers_config(path)
     try:
         reader = lazy.TensorReader(path)
     except lazy.WeightsMismatch as exc:
         raise ModelLoadError(str(exc)) from None
     return Checkpoint(path, config, reader, quant=quant)
-
-
-def _check_quant_config(path: Path, qc: dict) -> None:
-    method = qc.get("quant_method")
-    if method == "awq":
-        if str(qc.get("version", "gemm")).lower() != "gemm" or int(qc.get("bits", 4)) != 4:
-            raise ModelLoadError(f"{path}: only AWQ gemm 4-bit checkpoints are supported; re-quantize with `quantkit awq`")
-    elif method == "compressed-tensors":
-        if qc.get("format", "pack-quantized") != "pack-quantized":
-            raise ModelLoadError(f"{path}: compressed-tensors format {qc['format']!r} is not supported, only "
-                                 "'pack-quantized': re-quantize with `quantkit rtn|int8|awq`")
-    else:
-        raise ModelLoadError(f"{path}: quantization method {method!r} is not supported; "
-                             "quantize the full-precision model with `quantkit rtn|int8|awq`")
 
 
 def _quant_bits(qc: Optional[dict]) -> int:

@@ -57,6 +57,20 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
+def transformers_config(path: Path):
+    """The transformers config of a model directory, without any quantization_config, or a one-line
+    ModelLoadError (an unknown model_type, say) instead of transformers' traceback."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json cannot be read by transformers: {exc}".splitlines()[0]) from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
 def _load_tokenizer(path: Path, gguf_file: Optional[str] = None):
     from transformers import AutoTokenizer
 

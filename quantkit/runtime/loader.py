@@ -12,6 +12,7 @@ import torch
 from quantkit.config import check_device
 from quantkit.formats.checkpoint import CheckpointError, read_safetensors
 from quantkit.formats.compressed_tensors import KV_SCALE_NAMES
+from quantkit.formats.quant_config import layout_problem
 from quantkit.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -39,38 +40,21 @@ def read_quant_config(path: Path) -> dict[str, Any]:
             f"{path} is not a quantized checkpoint (no awq or compressed-tensors quantization_config); "
             "quantize it first with `quantkit rtn|int8|awq`"
         )
-    _check_layout_supported(path, qc)
+    problem = layout_problem(qc)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     return qc
-
-
-def _check_layout_supported(path: Path, qc: dict[str, Any]) -> None:
-    """Refuse the variants of both formats whose tensors QuantLinear would misread: AWQ versions other
-    than gemm (gemv, gemv_fast, marlin pack the words differently; a missing version is gemm, as in
-    AutoAWQ) or other bit widths, and compressed-tensors formats other than pack-quantized."""
-    if qc["quant_method"] == "awq":
-        version = str(qc.get("version", "gemm"))
-        if version.lower() != "gemm":
-            raise CheckpointError(f"{path}: AWQ version {version!r} is not supported, only 'gemm': re-quantize "
-                                  "with `quantkit awq` (or AutoAWQ with version='gemm')")
-        if int(qc.get("bits", 4)) != 4:
-            raise CheckpointError(f"{path}: AWQ with {qc['bits']} bits is not supported, only 4")
-    elif qc.get("format", "pack-quantized") != "pack-quantized":
-        raise CheckpointError(f"{path}: compressed-tensors format {qc['format']!r} is not supported, only "
-                              "'pack-quantized' (weight-only int4/int8): re-quantize with `quantkit rtn|int8|awq`")
 
 
 def model_config(path: Path):
     """The checkpoint's transformers config without its quantization_config, or a one-line CheckpointError
     (e.g. an unknown model_type) instead of transformers' traceback."""
-    from transformers import AutoConfig
+    from quantkit.models.loading import ModelLoadError, transformers_config
 
     try:
-        config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}/config.json cannot be read by transformers: {exc}".splitlines()[0]) from None
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    return config
+        return transformers_config(path)
+    except ModelLoadError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _layout_params(qc: dict[str, Any]) -> tuple[int, int, bool]:
