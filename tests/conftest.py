@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from quantkit.models.registry import spec_for_config
 from tiny import (  # noqa: F401  (re-exported: tests may import helpers from conftest too)
     llama_to_internlm2,
     make_text,
@@ -27,6 +29,9 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     dirs = {arch: write_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3")}
     dirs["internlm2"] = llama_to_internlm2(dirs["llama"], root / "internlm2")
+    # Each directory must reach its own registry entry (not, say, Mistral served by Llama's).
+    for arch, d in dirs.items():
+        assert spec_for_config(json.loads((d / "config.json").read_text())).name == arch, arch
     return dirs
 
 

@@ -33,6 +33,7 @@ def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
+    assert out.is_cuda, "the captured function returned a host tensor: nothing replays into it"
     return graph, out
 
 

@@ -14,6 +14,7 @@ def emulate_mma_gemv(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     fp16 pairs 1024 + q from the words, x pairs in the slots the layout assigns, the offset and zero
     point off, fp32 sums per group, the scale once per group. Returns fp32 [M, N]."""
     m, k = x.shape
+    assert k == mw.in_features, (k, mw.in_features)  # a shorter x would be zero-padded silently
     n = mw.out_features
     kp = -(-k // TILE_K) * TILE_K
     words = _unblocks(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF

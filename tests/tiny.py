@@ -104,6 +104,12 @@ def llama_to_internlm2(llama_dir: Path, out_dir: Path) -> Path:
                      ("model.embed_tokens.", "model.tok_embeddings."), ("lm_head.", "output.")):
             name = name.replace(a, b)
         out[name] = t.contiguous()
+    # Every weight lands under an InternLM2 name (k and v inside wqkv): a name the mapping missed would
+    # leave a Llama tensor the InternLM2 loader never reads, and the tests would compare less than they say.
+    layers = cfg["num_hidden_layers"]
+    assert len(out) == len(sd) - 2 * layers, (len(out), len(sd))
+    left = [n for n in out if any(s in n for s in ("self_attn", ".mlp.", "layernorm", "embed_tokens", "lm_head"))]
+    assert not left, left
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(out, str(out_dir / "model.safetensors"))
     icfg = {

@@ -6,6 +6,7 @@ it on for the whole session when tests/kernels is collected too, hence "run test
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -37,4 +38,9 @@ def small_llama(tmp_path_factory) -> dict[str, Path]:
     out = {"fp16": source}
     for name, config in schemes.items():
         out[name] = quantkit.quantize(str(source), config, work_dir=root / name, progress=False).work_dir
+    # The kernel tests take these for an AWQ gemm W4 g128 and a compressed-tensors W8 export.
+    w4 = json.loads((out["w4g128"] / "config.json").read_text())["quantization_config"]
+    assert (w4["quant_method"], w4["bits"], w4["group_size"]) == ("awq", 4, 128), w4
+    w8 = json.loads((out["w8"] / "config.json").read_text())["quantization_config"]
+    assert w8["quant_method"] == "compressed-tensors" and w8["config_groups"]["group_0"]["weights"]["num_bits"] == 8, w8
     return out
