@@ -173,5 +173,5 @@ def load_decoder(path: str | Path, device: Optional[str | torch.device] = None,
     weights.load_weights(model, ckpt, device, dtype)
     model.model.rotary_emb.to(device)
     model.eval().requires_grad_(False)
-    tokenizer = _load_tokenizer(ckpt.directory)
+    tokenizer = _load_tokenizer(ckpt.directory, spec=ckpt.spec)
     return model, tokenizer, weights.generation_config(ckpt)

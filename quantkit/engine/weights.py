@@ -20,9 +20,9 @@ from torch import nn
 
 from quantkit.formats import compressed_tensors
 from quantkit.formats.quant_config import layout_problem
-from quantkit.models import internlm2, lazy
+from quantkit.models import lazy
 from quantkit.models.loading import ModelLoadError, read_config_json, transformers_config
-from quantkit.models.registry import spec_for_config
+from quantkit.models.registry import ArchSpec, spec_for_config
 from quantkit.nn.quant_linear import QuantLinear
 
 # Our fused linears and the checkpoint linears they are made of, in output order.
@@ -37,13 +37,13 @@ class Checkpoint:
     directory: Path
     config: Any  # transformers config (Llama layout; no quantization_config)
     reader: Any  # names() and read(names) → {name: tensor}
-    convert: Optional[Callable[[dict], dict]] = None  # to Llama names (InternLM2)
+    convert: Optional[Callable[[dict], dict]] = None  # to the target layout's names (a converted family)
+    layer_pattern: Optional["re.Pattern[str]"] = None  # block index of a source tensor name
+    spec: Optional[ArchSpec] = None
     quant: Optional[dict] = None  # quantization_config of a quantkit export
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
-    from transformers import LlamaConfig
-
     if not path.exists():
         raise ModelLoadError(f"{path} does not exist: pass a Hugging Face model directory or a quantkit export")
     if not path.is_dir():
@@ -51,9 +51,14 @@ def open_checkpoint(path: Path) -> Checkpoint:
                              "quantkit export (quantize a .gguf file first, or use quantkit.load)")
     cfg = read_config_json(path)
     spec = spec_for_config(cfg)  # an unsupported architecture fails here, with the list of supported ones
-    if spec.name == "internlm2":
-        return Checkpoint(path, LlamaConfig(**internlm2.llama_config_dict(cfg)), lazy.TensorReader(path),
-                          convert=lambda sd: internlm2.to_llama_state_dict(sd, cfg))
+    if spec.conversion is not None:  # InternLM2, ...: run in another family's layout, converted per block
+        conversion = spec.conversion
+        if cfg.get("quantization_config"):
+            raise ModelLoadError(f"{path}: a quantized {spec.name} checkpoint in its original layout is not "
+                                 "supported; quantize the full-precision one with quantkit (its export is converted)")
+        return Checkpoint(path, conversion.config(cfg), lazy.TensorReader(path),
+                          convert=lambda sd: conversion.state_dict(sd, cfg),
+                          layer_pattern=_layer_pattern(conversion.source_layers_path), spec=spec)
     quant = cfg.get("quantization_config")
     problem = layout_problem(quant) if quant else None
     if problem:
@@ -63,7 +68,11 @@ def open_checkpoint(path: Path) -> Checkpoint:
         reader = lazy.TensorReader(path)
     except lazy.WeightsMismatch as exc:
         raise ModelLoadError(str(exc)) from None
-    return Checkpoint(path, config, reader, quant=quant)
+    return Checkpoint(path, config, reader, quant=quant, layer_pattern=_LAYER, spec=spec)
+
+
+def _layer_pattern(layers_path: str) -> "re.Pattern[str]":
+    return re.compile(rf"^{re.escape(layers_path)}\.(\d+)\.")
 
 
 def _quant_bits(qc: Optional[dict]) -> int:
@@ -188,7 +197,7 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, device: torch.device, dtype
     by_layer: dict[int, list[str]] = {}
     rest: list[str] = []
     for n in names:
-        m = _LAYER.match(n)
+        m = (ckpt.layer_pattern or _LAYER).match(n)
         (by_layer.setdefault(int(m.group(1)), []) if m else rest).append(n)
     if set(by_layer) != set(range(model.num_layers)):
         raise ModelLoadError(f"{ckpt.directory}: the checkpoint has {len(by_layer)} decoder layers, its config "

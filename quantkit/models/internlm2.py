@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from quantkit.models.llama_family import LLAMA_LINEARS
-from quantkit.models.registry import ArchSpec, ScaleGroup, register
+from quantkit.models.registry import ArchSpec, Conversion, ScaleGroup, register
 
 INTERNLM2 = register(
     ArchSpec(
@@ -26,6 +26,7 @@ INTERNLM2 = register(
             ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
         ),
         export_architecture="LlamaForCausalLM",
+        conversion=Conversion(config=lambda cfg: _llama_config(cfg), state_dict=lambda sd, cfg: to_llama_state_dict(sd, cfg)),
         notes="converted to the Llama layout on load; exported as LlamaForCausalLM",
     )
 )
@@ -67,6 +68,12 @@ def llama_config_dict(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("rope_scaling"):
         out["rope_scaling"] = cfg["rope_scaling"]
     return out
+
+
+def _llama_config(cfg: dict[str, Any]):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**llama_config_dict(cfg))
 
 
 def split_wqkv(wqkv: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

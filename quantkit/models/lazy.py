@@ -144,10 +144,13 @@ class LazyBlocks(BlockWeights):
 
 
 def build_lazy_model(config, reader: TensorReader, layers_path: str, dtype: torch.dtype,
-                     convert: Optional[Convert] = None, generation_dir: Optional[Path] = None):
+                     convert: Optional[Convert] = None, generation_dir: Optional[Path] = None,
+                     source_layers_path: Optional[str] = None):
     """A causal LM for `config` whose decoder blocks are empty (meta) and every other tensor is read.
 
-    Returns (model, LazyBlocks). Buffers (rotary frequencies) are built for real on the CPU."""
+    `source_layers_path` names the blocks in the checkpoint when it differs from the model's `layers_path`
+    (a converted family). Returns (model, LazyBlocks). Buffers (rotary frequencies) are built for real on
+    the CPU."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -155,7 +158,8 @@ def build_lazy_model(config, reader: TensorReader, layers_path: str, dtype: torc
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     convert_given, convert = convert, convert or (lambda sd: sd)
     block_prefix = f"{layers_path}."
-    stem = convert(reader.read(n for n in reader.names() if not n.startswith(block_prefix)))
+    source_block_prefix = f"{source_layers_path or layers_path}."
+    stem = convert(reader.read(n for n in reader.names() if not n.startswith(source_block_prefix)))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
         stem.pop("lm_head.weight", None)
@@ -171,7 +175,7 @@ def build_lazy_model(config, reader: TensorReader, layers_path: str, dtype: torc
         model.tie_weights()
     if generation_dir is not None and (Path(generation_dir) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(generation_dir))
-    blocks = LazyBlocks(reader, layers_path, dtype, convert)
+    blocks = LazyBlocks(reader, layers_path, dtype, convert, source_prefix=source_layers_path)
     if convert_given is None:  # names map one to one: check every block now, not when the pass reaches it
         expected = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith(block_prefix)}
         found = {n: reader.shape(n) for n in reader.names() if n.startswith(block_prefix)}

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.config import UserError
-from quantkit.models import internlm2, lazy, tokenizer_convert
+from quantkit.models import lazy, tokenizer_convert
 from quantkit.models.registry import ArchSpec, spec_for_config
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,12 @@ def transformers_config(path: Path):
     return config
 
 
-def _load_tokenizer(path: Path, gguf_file: Optional[str] = None):
+def _load_tokenizer(path: Path, gguf_file: Optional[str] = None, spec: Optional[ArchSpec] = None):
     from transformers import AutoTokenizer
 
+    conversion = spec.conversion if spec is not None else None
+    if gguf_file is None and conversion is not None and conversion.tokenizer is not None:
+        return conversion.tokenizer(path)
     if gguf_file is None and tokenizer_convert.names_remote_tokenizer(path):
         # AutoTokenizer would ask "Do you wish to run the custom code?" or raise: convert instead.
         return tokenizer_convert.load_converted(path)
@@ -87,18 +90,21 @@ def _load_tokenizer(path: Path, gguf_file: Optional[str] = None):
 
 def _load_lazy(path: Path, cfg: dict[str, Any], spec: ArchSpec, dtype: torch.dtype):
     """The model with empty decoder blocks and a `LazyBlocks` that reads them from `path` on demand.
-    InternLM2 is converted to the Llama layout tensor by tensor (its wqkv split per block)."""
-    from transformers import AutoConfig, LlamaConfig
+    A converted family (InternLM2, ...) is converted tensor by tensor as its blocks are read."""
+    from transformers import AutoConfig
 
-    if spec.name == "internlm2":
-        config = LlamaConfig(**internlm2.llama_config_dict(cfg))
+    source_prefix = None
+    if spec.conversion is not None:
+        conversion = spec.conversion
+        config, source_prefix = conversion.config(cfg), conversion.source_layers_path
 
         def convert(sd):
-            return internlm2.to_llama_state_dict(sd, cfg)
+            return conversion.state_dict(sd, cfg)
     else:
         config, convert = AutoConfig.from_pretrained(str(path)), None
     try:
-        return lazy.build_lazy_model(config, lazy.TensorReader(path), spec.layers_path, dtype, convert, path)
+        return lazy.build_lazy_model(config, lazy.TensorReader(path), spec.layers_path, dtype, convert, path,
+                                     source_layers_path=source_prefix)
     except lazy.WeightsMismatch as exc:
         raise ModelLoadError(str(exc)) from None
 
@@ -138,7 +144,7 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
     if tokenizer_convert.names_remote_tokenizer(path):
         tok_files = ()  # the export saves the converted tokenizer
     blocks = None
-    if lazy_blocks or spec.name == "internlm2":  # InternLM2 is never loaded by transformers (remote code)
+    if lazy_blocks or spec.conversion is not None:  # a converted family is never loaded by transformers
         model, blocks = _load_lazy(path, cfg, spec, dtype)
         if not lazy_blocks:
             model, blocks = lazy.load_all_blocks(model, blocks), None
@@ -147,4 +153,4 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load {path}: {exc}".splitlines()[0]) from None
-    return LoadedModel(model.eval(), _load_tokenizer(path), spec, str(path), tok_files, blocks)
+    return LoadedModel(model.eval(), _load_tokenizer(path, spec=spec), spec, str(path), tok_files, blocks)

@@ -8,7 +8,8 @@ and the module whose output measures the loss of a candidate scaling.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 from quantkit.config import UserError
 
@@ -32,6 +33,24 @@ class ScaleGroup:
 
 
 @dataclass(frozen=True)
+class Conversion:
+    """How a family whose modeling code ships as remote code runs in another family's layout.
+
+    Nothing of the checkpoint's own code is imported: `config` maps its config.json to a transformers
+    config of the target layout (e.g. a LlamaConfig), `state_dict` renames/splits a set of its tensors
+    (one decoder block at a time, or the tensors outside the blocks) into the target's names, and
+    `tokenizer`, when given, builds a fast tokenizer from the checkpoint's files (else the generic
+    sentencepiece conversion of `models/tokenizer_convert.py` applies when its tokenizer is remote code).
+    """
+
+    config: Callable[[dict], Any]
+    state_dict: Callable[[dict, dict], dict]
+    # The prefix of its decoder blocks' tensor names (followed by ".N."), in the source checkpoint.
+    source_layers_path: str = "model.layers"
+    tokenizer: Optional[Callable[[Path], Any]] = None
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """One model family."""
 
@@ -44,6 +63,8 @@ class ArchSpec:
     keep_fp: tuple[str, ...] = ("lm_head",)
     # The architecture name written into an exported config.json (InternLM2 exports as Llama).
     export_architecture: Optional[str] = None
+    # Set for families run in another family's layout (their names below are the target's names).
+    conversion: Optional[Conversion] = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
