@@ -167,7 +167,7 @@ def eval_ppl(
     data_dir: str | None = DATA_DIR,
     device: str | None = DEVICE,
     engine: bool = typer.Option(False, "--engine", help="Run the inference engine's decoder over its paged KV "
-                                "pool (--kv-bits 8/4: the engine's online per-token codes)."),
+                                "pool (--kv-bits 8/4: per-token codes; --kv-scales static: per-head scales)."),
     as_json: bool = AS_JSON,
     quiet: bool = QUIET,
 ) -> None:
@@ -176,10 +176,8 @@ def eval_ppl(
     if engine:
         from quantkit.eval.engine_perplexity import evaluate_on_engine
 
-        if kv_scales != "online" or kv_stats:
-            raise UserError("--engine codes K/V with online per-token scales: drop --kv-scales/--kv-stats")
         result = evaluate_on_engine(models, dataset, seqlen, windows, data_dir, kv_bits, device,
-                                    progress=not (quiet or as_json))
+                                    progress=not (quiet or as_json), kv_scales=kv_scales, kv_stats=kv_stats)
     else:
         from quantkit.eval.compare import evaluate_models
 
@@ -294,6 +292,8 @@ def chat(
     top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass (default: the model's)."),
     top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k likeliest tokens "
                                      "(default: the model's)."),
+    kv_scales: str = typer.Option("online", "--kv-scales", help="With --kv-bits 8/4: online (each token's own "
+                                  "range) or static (per-head scales from the model's quantkit/kv_stats.safetensors)."),
     device: str | None = DEVICE,
 ) -> None:
     """Chat in the terminal: streamed answers, multi-turn history; 'exit' leaves, 'clear' starts over."""
@@ -301,7 +301,8 @@ def chat(
     from quantkit.engine.chat import chat as run_chat
 
     check_device(device)
-    run_chat(model, EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, device=device),
+    run_chat(model, EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, device=device,
+                                 kv_scales=kv_scales),
              SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k), system)
 
 

@@ -31,6 +31,11 @@ class EngineConfig:
     dtype: Optional[Any] = None
     cuda_graphs: bool = True
     enable_prefix_caching: bool = True
+    # kv_bits 8/4: "online" scales each token's K/V by its own range; "static" by per-layer per-head scales
+    # from calibration statistics (`kv_stats`: a kv_stats.safetensors file, or a directory holding one;
+    # Engine(path) takes the checkpoint's own when unset).
+    kv_scales: str = "online"
+    kv_stats: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kv_bits not in KV_BITS:
@@ -45,6 +50,8 @@ class EngineConfig:
                               f"({self.block_size} tokens): raise it.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be ≥ 1.")
+        if self.kv_scales not in ("online", "static"):
+            raise ConfigError(f"--kv-scales {self.kv_scales!r} is not supported: choose online or static.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len {self.max_model_len} must be ≥ 2 tokens (or unset).")
 

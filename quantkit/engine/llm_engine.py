@@ -97,6 +97,10 @@ class Engine:
         from quantkit.engine.model import load_decoder
 
         config = config or EngineConfig()
+        if config.kv_scales == "static" and config.kv_bits != 16:  # refused before the weights load
+            from quantkit.engine.kv_scales import stats_file_for
+
+            config = dataclasses.replace(config, kv_stats=str(stats_file_for(path, config.kv_stats)))
         dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
         model, tokenizer, generation_config = load_decoder(path, config.device, dtype)
         self._start(model, tokenizer, generation_config, config)

@@ -17,6 +17,7 @@ import torch
 
 from quantkit.config import UserError
 from quantkit.engine.attention import AttnMetadata, set_metadata
+from quantkit.engine.kv_scales import pool_static_scales
 from quantkit.kernels.capture import graph_warmup
 from quantkit.kernels.paged_kv import PagedKV
 
@@ -68,8 +69,10 @@ class ModelRunner:
         return per_layer * self.num_layers
 
     def _allocate(self, num_blocks: int) -> None:
+        static = pool_static_scales(self.config, self.num_layers, self.kv_heads, self.head_dim)
         caches = [PagedKV.allocate(num_blocks, self.block_size, self.kv_heads, self.head_dim, self.config.kv_bits,
-                                   self.dtype, self.device) for _ in range(self.num_layers)]
+                                   self.dtype, self.device, static=static[i] if static else None)
+                  for i in range(self.num_layers)]
         self.model.set_kv_caches(caches)
 
     def _allocate_pool(self) -> int:

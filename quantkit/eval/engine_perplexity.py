@@ -28,14 +28,17 @@ from quantkit.eval.compare import Comparison, ModelRow
 from quantkit.eval.perplexity import PerplexityResult
 
 
-def engine_runner(model: Any, kv_bits: int, seqlen: int, chunk: int) -> ModelRunner:
-    """A runner over `model` whose pool holds one window of `seqlen` tokens at `kv_bits`."""
+def engine_runner(model: Any, kv_bits: int, seqlen: int, chunk: int, kv_scales: str = "online",
+                  kv_stats: Optional[str] = None) -> ModelRunner:
+    """A runner over `model` whose pool holds one window of `seqlen` tokens at `kv_bits`, coded with
+    `kv_scales` (static: the per-head scales of the statistics file `kv_stats`)."""
     if seqlen > model.max_positions:
         raise UserError(f"--seqlen {seqlen} is longer than the model's context ({model.max_positions} tokens): "
                         "choose a smaller --seqlen")
     block = EngineConfig.block_size
     config = EngineConfig(kv_bits=kv_bits, num_kv_tokens=math.ceil(seqlen / block) * block, max_model_len=seqlen,
-                          max_num_batched_tokens=chunk, cuda_graphs=False, enable_prefix_caching=False)
+                          max_num_batched_tokens=chunk, cuda_graphs=False, enable_prefix_caching=False,
+                          kv_scales=kv_scales, kv_stats=kv_stats)
     return ModelRunner(model, config)
 
 
@@ -60,47 +63,55 @@ def engine_perplexity_of_windows(runner: ModelRunner, windows: torch.Tensor, chu
 
 def engine_perplexity(model: Any, tokenizer: Any, dataset: str = "ptb", seqlen: int = 2048,
                       windows: Optional[int] = None, data_dir: Optional[str] = None, kv_bits: int = 16,
-                      chunk: Optional[int] = None, progress: bool = True) -> PerplexityResult:
+                      chunk: Optional[int] = None, progress: bool = True, kv_scales: str = "online",
+                      kv_stats: Optional[str] = None) -> PerplexityResult:
     """Perplexity of a `DecoderModel` (engine.model.load_decoder) on the test split of `dataset`, its
-    K/V in a paged pool of `kv_bits` (16: the model's dtype; 8, 4: online per-token codes). Windows
-    run as prefills of `chunk` tokens (default: the whole window)."""
+    K/V in a paged pool of `kv_bits` (16: the model's dtype; 8, 4: online per-token codes, or with
+    kv_scales "static" the per-head scales of the statistics file `kv_stats`). Windows run as prefills
+    of `chunk` tokens (default: the whole window)."""
     text, source = load_text(dataset, "test", data_dir)
     win = evaluation_windows(tokenize_text(tokenizer, text), seqlen, windows)
     chunk = chunk or seqlen
-    runner = engine_runner(model, kv_bits, seqlen, chunk)
-    kv = kv_label(kv_bits)
+    runner = engine_runner(model, kv_bits, seqlen, chunk, kv_scales, kv_stats)
+    kv = kv_label(kv_bits, kv_scales)
     nll, count = engine_perplexity_of_windows(runner, win, chunk, progress, f"ppl {source.name} {kv}")
     model.set_kv_caches([None] * model.num_layers)  # the pool goes with the runner
     return PerplexityResult(math.exp(nll), nll, count, win.shape[0], seqlen, source.name, kv)
 
 
-def kv_label(kv_bits: int) -> str:
-    return "engine fp" if kv_bits == 16 else f"engine KV{kv_bits} online"
+def kv_label(kv_bits: int, kv_scales: str = "online") -> str:
+    return "engine fp" if kv_bits == 16 else f"engine KV{kv_bits} {kv_scales}"
 
 
 def evaluate_on_engine(paths: Seq[str | Path], datasets: Seq[str] = ("ptb",), seqlen: int = 2048,
                        windows: Optional[int] = None, data_dir: Optional[str] = None, kv_bits: Seq[int] = (16,),
-                       device: Optional[str] = None, progress: bool = True) -> Comparison:
+                       device: Optional[str] = None, progress: bool = True, kv_scales: str = "online",
+                       kv_stats: Optional[str] = None) -> Comparison:
     """`quantkit eval ppl --engine`: each model directory loaded once as the engine's decoder, its
-    perplexity on each dataset under each KV setting, as rows of the comparison table."""
+    perplexity on each dataset under each KV setting, as rows of the comparison table. Static KV scales
+    come from `kv_stats` (a file or directory), else from each model directory's statistics."""
+    from quantkit.engine.kv_scales import stats_file_for
     from quantkit.engine.model import load_decoder
     from quantkit.eval.loading import _weight_fields, checkpoint_size, is_checkpoint
 
     for b in kv_bits:
-        EngineConfig(kv_bits=b)  # refuse --kv-bits 3 before loading anything
+        EngineConfig(kv_bits=b, kv_scales=kv_scales)  # refuse --kv-bits 3 before loading anything
     for p in map(Path, paths):
         if not p.is_dir():
             raise UserError(f"{p} is not a model directory: the engine reads HF directories and quantkit "
                             "checkpoints (convert a .gguf with load_fp_model + save_pretrained, or drop --engine)")
+    static = kv_scales == "static" and any(b != 16 for b in kv_bits)
+    stats = {str(p): str(stats_file_for(p, kv_stats)) if static else None for p in map(Path, paths)}  # fail now
     rows: list[ModelRow] = []
     names: list[str] = []
     for p in map(Path, paths):
         model, tokenizer, _ = load_decoder(p, device)
         method, bits, group = _weight_fields(p) if is_checkpoint(p) else ("fp", 16, None)
         for b in kv_bits:
-            row = ModelRow(p.name, str(p), method, bits, group, kv_label(b), checkpoint_size(p))
+            row = ModelRow(p.name, str(p), method, bits, group, kv_label(b, kv_scales), checkpoint_size(p))
             for d in datasets:
-                res = engine_perplexity(model, tokenizer, d, seqlen, windows, data_dir, b, progress=progress)
+                res = engine_perplexity(model, tokenizer, d, seqlen, windows, data_dir, b, progress=progress,
+                                        kv_scales=kv_scales, kv_stats=stats[str(p)])
                 row.ppl[res.dataset], row.tokens[res.dataset] = res.ppl, res.tokens
             names = list(row.ppl)
             rows.append(row)

@@ -7,6 +7,11 @@ uint8 zero per token per head beside them, asymmetric as lmdeploy's quant_policy
 q = clamp(round(x / s) + z, 0, 2^b − 1) reads back as (q − z) · s. Int4 codes are packed two per byte
 along head_dim, the low nibble holding the even channel.
 
+The scale and zero of a token are its own row's range (online), or, when the cache holds static
+per-head scales (`PagedKV.static`, from calibration statistics), that head's fixed scale and zero:
+the write then stores them in the same per-token slots and clips values outside the calibrated range,
+so every reader of the cache works unchanged.
+
 `write_kv` and `paged_decode_attention` run the Triton kernels of kernels/triton_paged.py where
 `hardware.runs_triton` says so (an NVIDIA GPU of compute capability 8.0 or later, or QUANTKIT_KERNEL=
 triton; with TRITON_INTERPRET=1 that runs them on the CPU through Triton's interpreter) and this
@@ -44,12 +49,24 @@ class PagedKV:
     v_scale: Optional[Tensor]
     v_zero: Optional[Tensor]
     bits: int
+    # Static per-head codes (bits 8/4): (k_scale fp16 [kv_heads], k_zero uint8, v_scale, v_zero) that every
+    # write uses instead of the token's own range; None: online.
+    static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
 
     @staticmethod
     def allocate(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, bits: int,
-                 dtype: torch.dtype, device: torch.device | str) -> "PagedKV":
-        """A zeroed pool (zeros, so that a slot never written holds finite numbers)."""
+                 dtype: torch.dtype, device: torch.device | str,
+                 static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None) -> "PagedKV":
+        """A zeroed pool (zeros, so that a slot never written holds finite numbers). `static`: the
+        per-head (k_scale, k_zero, v_scale, v_zero) of `static_scales`, for bits 8/4 only."""
         check_bits(bits, head_dim)
+        if static is not None:
+            if bits == 16:
+                raise UserError("static KV scales apply to kv_bits 8 or 4, not 16")
+            if any(t.shape != (kv_heads,) for t in static):
+                raise UserError(f"static KV scales hold {[tuple(t.shape) for t in static]} values, "
+                                f"not one per KV head ({kv_heads}): statistics of another model?")
+            static = tuple(t.to(device) for t in static)
         code_dim = head_dim // 2 if bits == 4 else head_dim
         code_dtype = dtype if bits == 16 else torch.uint8
         shape = (num_blocks, block_size, kv_heads)
@@ -61,7 +78,7 @@ class PagedKV:
             return PagedKV(codes(), codes(), None, None, None, None, 16)
         scale = lambda: torch.zeros(shape, dtype=torch.float16, device=device)  # noqa: E731
         zero = lambda: torch.zeros(shape, dtype=torch.uint8, device=device)  # noqa: E731
-        return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits)
+        return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits, static)
 
     @staticmethod
     def bytes_per_token(kv_heads: int, head_dim: int, bits: int, dtype: torch.dtype) -> int:
@@ -97,22 +114,52 @@ def check_bits(bits: int, head_dim: int) -> None:
 
 # ---- quantization (the same arithmetic as runtime/kv_quant.quantize_per_token, which kernels/ may not import)
 
-def quantize_per_token(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Codes of x [..., D] with one scale and zero per row: (q uint8 [..., D], scale fp16 [...], zero uint8 [...]).
+def range_scale_zero(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """Scale (fp16 values in float32) and integer zero (float32) of codes spanning [min(lo, 0), max(hi, 0)].
 
     The range always includes 0, so the zero is an integer code; the scale is rounded *up* to fp16
     (grown by 2^-10 before rounding to nearest) so that the stored scale still spans the range."""
     qmax = QMAX[bits]
-    xf = x.float()
-    lo, hi = xf.amin(-1).clamp(max=0), xf.amax(-1).clamp(min=0)
+    lo, hi = lo.float().clamp(max=0), hi.float().clamp(min=0)
     # Divided by a tensor, not a Python number: on CUDA torch turns division by a host scalar into a
     # multiplication by its reciprocal, one ulp off IEEE division at times, which flips the fp16
     # rounding of the scale for about one row in 10^4 (the Triton write divides exactly).
     scale = torch.div(hi - lo, torch.full_like(hi, qmax)).clamp_min(MIN_SCALE)
     scale = (scale * (1 + 2.0**-10)).half().float()
     zero = torch.round(-lo / scale).clamp(0, qmax)
-    q = (torch.round(xf / scale[..., None]) + zero[..., None]).clamp_(0, qmax).to(torch.uint8)
-    return q, scale.half(), zero.to(torch.uint8)
+    return scale, zero
+
+
+def encode(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
+    """uint8 codes of x [..., D] under scale and zero [...] (float32); values out of range are clipped."""
+    return (torch.round(x.float() / scale[..., None]) + zero[..., None]).clamp_(0, QMAX[bits]).to(torch.uint8)
+
+
+def quantize_per_token(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes of x [..., D] with one scale and zero per row: (q uint8 [..., D], scale fp16 [...], zero uint8 [...])."""
+    xf = x.float()
+    scale, zero = range_scale_zero(xf.amin(-1), xf.amax(-1), bits)
+    return encode(xf, scale, zero, bits), scale.half(), zero.to(torch.uint8)
+
+
+def static_scales(k_min: Tensor, k_max: Tensor, v_min: Tensor, v_max: Tensor,
+                  bits: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One layer's static per-head codes from calibrated ranges [kv_heads, head_dim] (or [kv_heads]):
+    (k_scale fp16, k_zero uint8, v_scale fp16, v_zero uint8), each [kv_heads], for `PagedKV.static`."""
+    out = []
+    for lo, hi in ((k_min, k_max), (v_min, v_max)):
+        if lo.dim() == 2:
+            lo, hi = lo.amin(-1), hi.amax(-1)
+        scale, zero = range_scale_zero(lo, hi, bits)
+        out += [scale.half(), zero.to(torch.uint8)]
+    return tuple(out)
+
+
+def quantize_static(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes of x [T, kv_heads, D] under per-head scale (fp16) and zero (uint8) [kv_heads], in the shapes
+    of `quantize_per_token`: the per-head values repeated for every token."""
+    s, z = scale.float().expand(x.shape[:-1]), zero.float().expand(x.shape[:-1])
+    return encode(x, s, z, bits), s.half(), z.to(torch.uint8)
 
 
 def pack_int4(q: Tensor) -> Tensor:
@@ -133,20 +180,26 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: tor
 # ---- write and gather
 
 def write_kv(cache: PagedKV, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Store k, v [T, kv_heads, head_dim] at slots slot_mapping [T] (int64; entries < 0 are skipped)."""
+    """Store k, v [T, kv_heads, head_dim] at slots slot_mapping [T] (int64; entries < 0 are skipped), coded
+    with the cache's static per-head scales when it has them, else with each token's own range."""
     if runs_triton(k.device):
         from quantkit.kernels import triton_paged
 
         return triton_paged.write_kv(cache, k, v, slot_mapping)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    for x, codes, scale, zero in ((k, cache.k, cache.k_scale, cache.k_zero), (v, cache.v, cache.v_scale, cache.v_zero)):
+    static = cache.static or (None,) * 4
+    for x, codes, scale, zero, fixed in ((k, cache.k, cache.k_scale, cache.k_zero, static[:2]),
+                                         (v, cache.v, cache.v_scale, cache.v_zero, static[2:])):
         x = x[valid]
         flat = codes.view(-1, *codes.shape[2:])
         if cache.bits == 16:
             flat[slots] = x.to(codes.dtype)
             continue
-        q, s, z = quantize_per_token(x, cache.bits)
+        if cache.static is None:
+            q, s, z = quantize_per_token(x, cache.bits)
+        else:
+            q, s, z = quantize_static(x, *fixed, cache.bits)
         flat[slots] = pack_int4(q) if cache.bits == 4 else q
         scale.view(-1, scale.shape[2])[slots] = s
         zero.view(-1, zero.shape[2])[slots] = z

@@ -1,5 +1,8 @@
 """Triton kernels of the paged KV cache (kernels/paged_kv.py): the write, and decode attention.
 
+The write codes each token with its own range, or with the cache's static per-head scale and zero
+(STATIC), and stores the scale and zero per token either way, so decode attention reads one layout.
+
 Both see a head's channels as two halves, A and B: for fp16 and int8 blocks the first and the second
 half of head_dim, for int4 the even and the odd channels (the low and the high nibble of one byte).
 So an int4 block is read with one byte load per channel pair and never needs an interleave: q·k is
@@ -51,8 +54,9 @@ def _halves(offs_i, HALF: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_ptr, kv_heads,
-               HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr):
+def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_ptr, fixed_scale_ptr, fixed_zero_ptr,
+               kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr,
+               STATIC: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_HALF)
     hmask = offs_h < kv_heads
@@ -68,12 +72,16 @@ def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_pt
     else:
         qmax: tl.constexpr = 255.0 if BITS == 8 else 15.0
         xa, xb = xa.to(tl.float32), xb.to(tl.float32)
-        # padding lanes hold 0, which the range includes anyway
-        lo = tl.minimum(tl.minimum(tl.min(xa, axis=1), tl.min(xb, axis=1)), 0.0)
-        hi = tl.maximum(tl.maximum(tl.max(xa, axis=1), tl.max(xb, axis=1)), 0.0)
-        scale = tl.maximum(tl.math.div_rn(hi - lo, qmax), 2.0**-14)
-        scale = (scale * (1.0 + 2.0**-10)).to(tl.float16).to(tl.float32)  # rounded up: see paged_kv
-        zero = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(-lo, scale)), 0.0), qmax)
+        if STATIC:  # the head's calibrated scale and zero (paged_kv.static_scales)
+            scale = tl.load(fixed_scale_ptr + offs_h, mask=hmask, other=1.0).to(tl.float32)
+            zero = tl.load(fixed_zero_ptr + offs_h, mask=hmask, other=0).to(tl.float32)
+        else:
+            # padding lanes hold 0, which the range includes anyway
+            lo = tl.minimum(tl.minimum(tl.min(xa, axis=1), tl.min(xb, axis=1)), 0.0)
+            hi = tl.maximum(tl.maximum(tl.max(xa, axis=1), tl.max(xb, axis=1)), 0.0)
+            scale = tl.maximum(tl.math.div_rn(hi - lo, qmax), 2.0**-14)
+            scale = (scale * (1.0 + 2.0**-10)).to(tl.float16).to(tl.float32)  # rounded up: see paged_kv
+            zero = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(-lo, scale)), 0.0), qmax)
         qa = _round_half_even(tl.math.div_rn(xa, scale[:, None])) + zero[:, None]
         qb = _round_half_even(tl.math.div_rn(xb, scale[:, None])) + zero[:, None]
         qa = tl.minimum(tl.maximum(qa, 0.0), qmax).to(tl.uint8)
@@ -90,16 +98,18 @@ def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_pt
 
 
 @triton.jit
-def write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kv_heads,
-                    stride_kt, stride_kh, stride_vt, stride_vh,
-                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr):
+def write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+                    fks_ptr, fkz_ptr, fvs_ptr, fvz_ptr, kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr,
+                    STATIC: tl.constexpr):
+    """One program per token; f*_ptr are the static per-head scales and zeros (read when STATIC)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        _write_one(k_ptr, stride_kt, stride_kh, t, slot, kc_ptr, ks_ptr, kz_ptr, kv_heads, HALF, BLOCK_H, BLOCK_HALF,
-                   BITS)
-        _write_one(v_ptr, stride_vt, stride_vh, t, slot, vc_ptr, vs_ptr, vz_ptr, kv_heads, HALF, BLOCK_H, BLOCK_HALF,
-                   BITS)
+        _write_one(k_ptr, stride_kt, stride_kh, t, slot, kc_ptr, ks_ptr, kz_ptr, fks_ptr, fkz_ptr, kv_heads, HALF,
+                   BLOCK_H, BLOCK_HALF, BITS, STATIC)
+        _write_one(v_ptr, stride_vt, stride_vh, t, slot, vc_ptr, vs_ptr, vz_ptr, fvs_ptr, fvz_ptr, kv_heads, HALF,
+                   BLOCK_H, BLOCK_HALF, BITS, STATIC)
 
 
 # Launched through KeptKernel (launch.py): after the first launch with a signature, the compiled kernel is
@@ -120,9 +130,12 @@ def write_kv(cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     bits = cache.bits
     ks, kz, vs, vz = (cache.k, cache.k, cache.v, cache.v) if bits == 16 else (
         cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
-    _WRITE((t,), (k, v, slot_mapping, cache.k, cache.v, ks, kz, vs, vz, kv_heads,  # every parameter, in order
+    static = getattr(cache, "static", None)
+    fixed = static if static is not None else (ks, kz, vs, vz)  # not read without STATIC
+    _WRITE((t,), (k, v, slot_mapping, cache.k, cache.v, ks, kz, vs, vz, *fixed, kv_heads,  # every parameter, in order
                   k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                  d // 2, triton.next_power_of_2(kv_heads), triton.next_power_of_2(d // 2), bits), num_warps=4)
+                  d // 2, triton.next_power_of_2(kv_heads), triton.next_power_of_2(d // 2), bits,
+                  static is not None), num_warps=4)
 
 
 @triton.jit

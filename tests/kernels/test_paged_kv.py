@@ -18,7 +18,7 @@ import triton.language as tl
 from quantkit.config import UserError
 from quantkit.kernels import triton_paged
 from quantkit.kernels.paged_kv import (PagedKV, gather_kv, paged_decode_attention, paged_prefill_attention,
-                                       write_kv)
+                                       static_scales, write_kv)
 from quantkit.runtime import kv_quant
 
 BLOCK = 16
@@ -283,3 +283,90 @@ def test_prefill_under_inference_mode(reference_path):
         out = paged_prefill_attention(q, cache, tables, ctx, start, 0.1)
         ctx[1] = 17
         assert not torch.allclose(paged_prefill_attention(q, cache, tables, ctx, start, 0.1)[1], out[1])
+
+
+# ---- static per-head scales (calibration statistics)
+
+def static_ranges(kv_heads, head_dim, seed):
+    """Calibrated-looking ranges [kv_heads, head_dim]: per channel, negative minima and positive maxima."""
+    g = torch.Generator().manual_seed(seed)
+    lo = -(torch.rand(kv_heads, head_dim, generator=g) * 2 + 0.5)
+    hi = torch.rand(kv_heads, head_dim, generator=g) * 3 + 0.5
+    return lo, hi
+
+
+def test_static_scales_are_the_runtime_codecs_per_head():
+    """Per-head scale and zero equal runtime/kv_codec's static codec without per-channel scales."""
+    from quantkit.runtime.kv_codec import static_codec
+
+    for bits in (8, 4):
+        (klo, khi), (vlo, vhi) = static_ranges(3, 16, 1), static_ranges(3, 16, 2)
+        ks, kz, vs, vz = static_scales(klo, khi, vlo, vhi, bits)
+        assert ks.dtype == torch.float16 and kz.dtype == torch.uint8 and ks.shape == (3,)
+        for (lo, hi), s, z in (((klo, khi), ks, kz), ((vlo, vhi), vs, vz)):
+            codec = static_codec(lo, hi, bits, per_channel=False)
+            assert torch.equal(codec.scale.flatten(), s.float()) and torch.equal(codec.zero.flatten(), z.float())
+            # the codes span the head's range, to half a step at the top (the zero is rounded)
+            assert (s.float() * (kv_quant.QMAX[bits] - z.float() + 0.5) >= hi.amax(-1)).all()
+            assert (-s.float() * (z.float() + 0.5) <= lo.amin(-1)).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_static_write_uses_the_heads_scales(reference_path, bits):
+    kv_heads, d = 2, 64
+    (klo, khi), (vlo, vhi) = static_ranges(kv_heads, d, 3), static_ranges(kv_heads, d, 4)
+    static = static_scales(klo, khi, vlo, vhi, bits)
+    cache = PagedKV.allocate(3, BLOCK, kv_heads, d, bits, torch.float32, "cpu", static=static)
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(20, kv_heads, d, generator=g)
+    v = torch.randn(20, kv_heads, d, generator=g) * 0.5
+    k[2, 0, 5] = 100.0  # far outside the calibrated range: clipped to the top code, not a new scale
+    slots = torch.randperm(3 * BLOCK, generator=g)[:20]
+    write_kv(cache, k, v, slots)
+    for x, codes, scale, zero, s, z in ((k, cache.k, cache.k_scale, cache.k_zero, *static[:2]),
+                                        (v, cache.v, cache.v_scale, cache.v_zero, *static[2:])):
+        assert torch.equal(scale.view(-1, kv_heads)[slots], s.expand(20, kv_heads))
+        assert torch.equal(zero.view(-1, kv_heads)[slots], z.expand(20, kv_heads))
+        want = (torch.round(x / s.float()[:, None]) + z.float()[:, None]).clamp(0, kv_quant.QMAX[bits])
+        assert torch.equal(codes.view(-1, kv_heads, codes.shape[-1])[slots], kv_quant.pack(want.to(torch.uint8), bits))
+    # Reading back: within half a step where the value lies in the head's range; the outlier clipped.
+    k_back, _ = gather_kv(cache, torch.arange(3, dtype=torch.int32), 3 * BLOCK, torch.float32)
+    k_back = k_back[slots]
+    top = (kv_quant.QMAX[bits] - static[1].float()) * static[0].float()
+    assert k_back[2, 0, 5] == top[0]
+    inside = (k >= (-static[1].float() * static[0].float())[:, None]) & (k <= top[:, None])
+    err = (k_back - k).abs()[inside]
+    assert inside.float().mean() > 0.8 and (err <= static[0].float().max() * 0.501).all()
+
+
+def test_static_scales_are_checked():
+    static = static_scales(*static_ranges(2, 64, 1), *static_ranges(2, 64, 2), 8)
+    with pytest.raises(UserError, match="not 16"):
+        PagedKV.allocate(1, BLOCK, 2, 64, 16, torch.float16, "cpu", static=static)
+    with pytest.raises(UserError, match="one per KV head"):
+        PagedKV.allocate(1, BLOCK, 4, 64, 8, torch.float16, "cpu", static=static)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_static_write_equals_reference(monkeypatch, triton_interpreter, bits, dtype):
+    """The kernel's STATIC path: same codes, and the per-head scales and zeros in every written slot."""
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(19, 5, 64, generator=g) * 1.5).to(dtype)
+    k, v = qkv[:, 2:4], qkv[:, 4:5].expand(19, 2, 64)  # views; v's heads share one row (stride 0)
+    slots = torch.randperm(4 * BLOCK, generator=g)[:19]
+    slots[6] = -1
+    static = static_scales(*static_ranges(2, 64, 7), *static_ranges(2, 64, 8), bits)
+    caches = []
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("QUANTKIT_KERNEL", path)
+        cache = PagedKV.allocate(4, BLOCK, 2, 64, bits, dtype, "cpu", static=static)
+        write_kv(cache, k, v, slots)
+        caches.append(cache)
+    ref, tri = caches
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+        assert torch.equal(getattr(tri, name), getattr(ref, name)), name
+    assert (ref.k_scale.view(-1, 2)[slots[slots >= 0]] == static[0]).all()
+    online = PagedKV.allocate(4, BLOCK, 2, 64, bits, dtype, "cpu")
+    write_kv(online, k, v, slots)  # the static codes are not the online ones
+    assert not torch.equal(online.k, tri.k)

@@ -1,0 +1,52 @@
+"""Static KV scales for the paged pool: one scale and zero per layer and KV head, from the calibration
+statistics of `quantkit/kv_stats.safetensors` (formats/kv_stats.py), instead of each token's own range.
+
+The write stores them in the pool's per-token scale and zero slots, so attention reads the same layout
+either way; values beyond the calibrated range are clipped. Per-head only: per-channel key scales (what
+the transformers-cache path of `eval ppl --kv-scales static` uses by default) need another read path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from torch import Tensor
+
+from quantkit.formats.kv_stats import FILE_NAME, KVStats, KVStatsError, kv_stats_file, read_kv_stats
+from quantkit.kernels.paged_kv import static_scales
+
+
+def stats_file_for(model_path: str | Path, kv_stats: Optional[str | Path] = None) -> Path:
+    """The statistics file static scales read: `kv_stats` (a file, or a directory holding one) when given,
+    else the checkpoint's own; a one-line error saying how to make one when there is none."""
+    where = Path(kv_stats) if kv_stats is not None else Path(model_path)
+    found = (kv_stats_file(where) if where.is_dir() else (where if where.is_file() else None))
+    if found is None:
+        raise KVStatsError(
+            f"--kv-scales static needs KV statistics, and {where} has no {FILE_NAME}: run "
+            f"`quantkit kv-calibrate {model_path}` (or quantize with --kv-stats), or use --kv-scales online")
+    return found
+
+
+def layer_scales(stats: KVStats, bits: int, num_layers: int, kv_heads: int,
+                 head_dim: int) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Per layer, (k_scale, k_zero, v_scale, v_zero) [kv_heads] for `PagedKV.allocate(static=...)`."""
+    want, have = (num_layers, kv_heads, head_dim), (stats.num_layers, stats.num_kv_heads, stats.head_dim)
+    if want != have:
+        raise KVStatsError(f"the KV statistics are for {have[0]} layers × {have[1]} KV heads × {have[2]} channels, "
+                           f"but the model has {want[0]} × {want[1]} × {want[2]}: recalibrate this model "
+                           "with `quantkit kv-calibrate`")
+    return [static_scales(stats.k_min[i], stats.k_max[i], stats.v_min[i], stats.v_max[i], bits)
+            for i in range(num_layers)]
+
+
+def pool_static_scales(config, num_layers: int, kv_heads: int, head_dim: int) -> Optional[list]:
+    """What the model runner gives each layer's pool: None for online scales or an unquantized pool,
+    else `layer_scales` of the statistics file `config.kv_stats`."""
+    if getattr(config, "kv_scales", "online") != "static" or config.kv_bits == 16:
+        return None
+    if config.kv_stats is None:
+        raise KVStatsError("--kv-scales static needs KV statistics: pass EngineConfig(kv_stats=FILE) or "
+                           "run `quantkit kv-calibrate MODEL`")
+    return layer_scales(read_kv_stats(config.kv_stats), config.kv_bits, num_layers, kv_heads, head_dim)
