@@ -25,6 +25,11 @@ class AttnMetadata:
     context_lens: torch.Tensor  # [B] int32: tokens in the cache after this step's write
     query_start: torch.Tensor  # [B+1] int32: sequence b's new tokens are query_start[b]:query_start[b+1]
     is_decode: bool  # every sequence has exactly one new token
+    # A mixed step (prefill chunks and decodes together): its first `num_decode` sequences have one new token
+    # each (the scheduler puts decodes first) and run through the batched decode kernel; `prefill` holds
+    # (block_tables, context_lens, query_start renumbered from 0) of the rest, cut once per step.
+    num_decode: int = 0
+    prefill: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     def token_seq_lens(self) -> torch.Tensor:
         """[T]: the context length of each new token's sequence."""
@@ -80,6 +85,15 @@ class Attention(nn.Module):
         paged_kv.write_kv(cache, k, v, meta.slot_mapping)
         if meta.is_decode:
             return paged_kv.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens, self.sm_scale)
-        return paged_kv.paged_prefill_attention(
-            q, cache, meta.block_tables, meta.context_lens, meta.query_start, self.sm_scale
-        )
+        nd = meta.num_decode
+        if nd == 0 or meta.prefill is None:
+            return paged_kv.paged_prefill_attention(
+                q, cache, meta.block_tables, meta.context_lens, meta.query_start, self.sm_scale
+            )
+        # Decodes batched in one kernel launch, not one gather + SDPA each (a mixed step of 256 decodes
+        # would otherwise launch thousands of kernels per layer).
+        out = torch.empty_like(q)
+        out[:nd] = paged_kv.paged_decode_attention(q[:nd], cache, meta.block_tables[:nd], meta.context_lens[:nd],
+                                                   self.sm_scale)
+        out[nd:] = paged_kv.paged_prefill_attention(q[nd:], cache, *meta.prefill, self.sm_scale)
+        return out

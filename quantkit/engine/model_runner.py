@@ -159,6 +159,13 @@ class ModelRunner:
             query_start=qs_d.to(torch.int32),
             is_decode=all(n == 1 for _, n in batch),
         )
+        if not meta.is_decode:
+            # The leading one-token sequences (decodes: the scheduler puts them first) attend in one batched
+            # kernel; the prefill chunks after them get their own metadata, renumbered from 0.
+            nd = next((i for i, (_, n) in enumerate(batch) if n != 1), len(tables))
+            if nd:
+                meta.num_decode = nd
+                meta.prefill = (meta.block_tables[nd:], meta.context_lens[nd:], meta.query_start[nd:] - nd)
         return StepInputs(ids_d, pos_d, meta, rows_d, sampled)
 
     @torch.no_grad()
