@@ -1,0 +1,151 @@
+"""`quantkit api-client`: streamed answers, the history sent with every turn, `clear` and `exit`, Ctrl-C (a
+real SIGINT) stopping one answer and the server's request with it, one-line errors. Against the scripted
+server of tests/fake_openai.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fake_openai import FakeOpenAI
+from quantkit.server.api_client import (ApiChatSession, ChatOptions, OpenAIClient, ServerError, api_client,
+                                        parse_server_url, run_api_client, sse_data)
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "quantkit.cli", "api-client", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_turns_stream_and_carry_the_history():
+    with FakeOpenAI() as fake:
+        options = ChatOptions(model="fake-model", system="be brief", temperature=0.5, max_tokens=7)
+        session = ApiChatSession(OpenAIClient(fake.url), options)
+        out, err = io.StringIO(), io.StringIO()
+        run_api_client(session, io.StringIO("hello\n\nagain\nclear\nthird\nexit\nnever read\n"), out, err)
+    answer = "".join(fake.words)
+    system = {"role": "system", "content": "be brief"}
+    sent = [r.body for r in fake.chats()]
+    assert [b["messages"] for b in sent] == [
+        [system, {"role": "user", "content": "hello"}],
+        [system, {"role": "user", "content": "hello"}, {"role": "assistant", "content": answer},
+         {"role": "user", "content": "again"}],
+        [system, {"role": "user", "content": "third"}],  # after `clear`
+    ]
+    assert all(b["stream"] and b["model"] == "fake-model" and b["temperature"] == 0.5 and b["max_tokens"] == 7
+               for b in sent)
+    assert out.getvalue().count(answer) == 3 and "(new conversation)" in out.getvalue()
+    assert out.getvalue().count(">>> ") == 6 and not err.getvalue()
+
+
+def test_answer_is_written_piece_by_piece():
+    with FakeOpenAI(delay=0.05) as fake:
+        session = ApiChatSession(OpenAIClient(fake.url), ChatOptions())
+        pieces: list[tuple[float, str]] = []
+        text = session.answer("hi", lambda s: pieces.append((time.monotonic(), s)))
+    assert text == "".join(fake.words) and [p for _, p in pieces] == fake.words
+    assert pieces[-1][0] - pieces[0][0] > 0.25  # as they came, not all at the end
+    assert "model" not in fake.chats()[0].body  # no --model and no default asked here: the server's choice
+
+
+def test_server_errors_are_one_line_and_the_chat_goes_on():
+    with FakeOpenAI(fail=(400, "the prompt is longer than the context (300 > 256 tokens)")) as fake:
+        session = ApiChatSession(OpenAIClient(fake.url), ChatOptions(model="fake-model"))
+        out, err = io.StringIO(), io.StringIO()
+        run_api_client(session, io.StringIO("too long\nexit\n"), out, err)
+        assert err.getvalue() == (f"error: {fake.url} answered: the prompt is longer than the context "
+                                  "(300 > 256 tokens) (HTTP 400)\n")
+        assert session.messages == []  # the failed turn is taken back
+        fake.fail = None
+        run_api_client(session, io.StringIO("short\n"), out, err)
+    assert fake.chats()[-1].body["messages"] == [{"role": "user", "content": "short"}]
+
+
+def test_api_key_and_model_from_the_server():
+    with FakeOpenAI(api_key="sk-test", model="tiny-chat") as fake:
+        with pytest.raises(ServerError, match=r"missing or wrong API key \(HTTP 401\)"):
+            OpenAIClient(fake.url).models()
+        client = OpenAIClient(fake.url + "/v1", api_key="sk-test")
+        assert client.models() == ["tiny-chat"]
+        assert ApiChatSession(client, ChatOptions()).answer("hi", lambda s: None) == "".join(fake.words)
+    assert all(r.headers["Authorization"] == "Bearer sk-test" for r in fake.requests[1:])
+
+
+def test_sse_parsing():
+    stream = io.BytesIO(b": comment\r\ndata: {\"a\": 1}\r\n\r\ndata:two\ndata: lines\n\nevent: x\n\ndata: [DONE]\n\n")
+    assert list(sse_data(stream)) == ['{"a": 1}', "two\nlines", "[DONE]"]
+    assert parse_server_url("127.0.0.1:23333/v1/").origin == "http://127.0.0.1:23333"
+    assert parse_server_url("https://h/api/v1").base_path == "/api"
+
+
+def test_unreachable_server_is_one_line_and_exit_2():
+    proc = subprocess.run(cli(f"http://127.0.0.1:{free_port()}"), input="", capture_output=True, text=True,
+                          timeout=60, env=ENV)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1  # one line, no traceback
+    assert "cannot reach" in proc.stderr and "connection refused" in proc.stderr
+
+
+def _read_until(stream, marker: str, seen: list[str], timeout: float = 20.0) -> str:
+    """Read the subprocess's output (one os.read at a time) until `marker` appears in it."""
+    deadline = time.monotonic() + timeout
+    while marker not in "".join(seen):
+        assert time.monotonic() < deadline, f"no {marker!r} in {''.join(seen)!r}"
+        seen.append(os.read(stream.fileno(), 4096).decode())
+    return "".join(seen)
+
+
+def test_ctrl_c_stops_the_answer_not_the_client():
+    with FakeOpenAI(words=[f"w{i} " for i in range(40)], delay=0.04) as fake:
+        proc = subprocess.Popen(cli(fake.url, "--max-tokens", "100"), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        try:
+            seen: list[str] = []
+            _read_until(proc.stdout, ">>> ", seen)
+            proc.stdin.write("first\n")
+            proc.stdin.flush()
+            _read_until(proc.stdout, "w2 ", seen)
+            proc.send_signal(signal.SIGINT)
+            out = _read_until(proc.stdout, "[stopped]\n\n>>> ", seen)
+            proc.stdin.write("second\nexit\n")
+            proc.stdin.flush()
+            rest, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        time.sleep(0.1)
+    assert proc.returncode == 0, err
+    assert fake.aborted == [fake.requests.index(fake.chats()[0])]  # the server saw the first answer stopped
+    partial = out.split(">>> ")[1].split(" [stopped]")[0]
+    assert partial.startswith("w0 w1 w2 ") and "w39" not in partial
+    # The part printed is in the history of the next turn, which is answered in full.
+    assert fake.chats()[1].body["messages"][1] == {"role": "assistant", "content": partial}
+    assert "w39" in rest
+
+
+def test_bad_flags_are_refused():
+    proc = subprocess.run(cli("http://127.0.0.1:1", "--temperature", "-1"), capture_output=True, text=True,
+                          timeout=60, env=ENV)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --temperature must be ≥ 0, not -1.0"
+
+
+def test_entry_point_picks_the_first_model(monkeypatch, capsys):
+    with FakeOpenAI(model="tiny-chat") as fake:
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+        api_client(fake.url, options=ChatOptions(system="s"))
+    assert fake.chats()[0].body["model"] == "tiny-chat"
+    assert f"{fake.url} · model tiny-chat" in capsys.readouterr().out
