@@ -43,6 +43,8 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self.hash_to_block: dict[int, int] = {}
         self.num_hashed: dict[int, int] = {}  # sequence arrival → its leading blocks already registered
+        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache (monitoring)
+        self.prefix_hits = 0     # of those, tokens found there
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,6 +91,8 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         seq.num_computed_tokens = len(cached) * self.block_size
         self.num_hashed[seq.arrival] = len(cached)
+        self.prefix_queries += len(seq)
+        self.prefix_hits += seq.num_computed_tokens
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free.popitem(last=False)

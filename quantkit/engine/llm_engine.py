@@ -161,6 +161,15 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def stats(self) -> dict[str, int]:
+        """Counts for monitoring (the server's /metrics): running and waiting sequences, KV blocks used and
+        in the pool, prefix-cache queries and hits (tokens), preemptions. Plain reads, so another thread may
+        call it while a step runs: it then sees a moment's mix of before and after."""
+        bm, sched = self.block_manager, self.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_blocks_total": bm.num_blocks,
+                "kv_blocks_used": bm.num_blocks - bm.num_free_blocks, "prefix_cache_queries": bm.prefix_queries,
+                "prefix_cache_hits": bm.prefix_hits, "preemptions": sched.num_preemptions}
+
     # --- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

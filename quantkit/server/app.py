@@ -1,0 +1,284 @@
+"""The FastAPI app: OpenAI's routes over one EngineLoop, the chat page, health and metrics.
+
+    GET  /                      the chat page (static/chat.html)
+    GET  /health                200 while the engine loop runs, 503 once it failed
+    GET  /metrics               Prometheus text (metrics.py)
+    GET  /v1/models             the served model
+    POST /v1/chat/completions   chat: the tokenizer's chat template, streamed (SSE) or whole
+    POST /v1/completions        text or token-id prompts, streamed or whole
+
+The /v1 generation routes take GET with a JSON body too (some clients send that). Bodies are parsed
+here, not by FastAPI, so that every problem is answered in OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.resources
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quantkit.config import UserError
+from quantkit.engine.config import SamplingParams
+from quantkit.engine.llm_engine import encode_chat
+from quantkit.server.engine_loop import EngineLoop
+from quantkit.server.generation import Job, Renderer
+from quantkit.server.metrics import ServerMetrics
+from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AppSettings:
+    """What the HTTP side needs besides the engine."""
+
+    served_model_name: str
+    model_aliases: Sequence[str] = ()     # other names accepted in `model` (the MODEL argument as given)
+    api_key: Optional[str] = None
+    max_queue: int = 512                  # requests waiting beyond the engine's batch before 429
+    allow_origins: Sequence[str] = ()     # CORS origins (a chat page served elsewhere)
+
+
+class EventStream(Response):
+    """text/event-stream from an async iterator of bytes; `on_close` runs however the stream ends."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(media_type="text/event-stream")
+        self.chunks, self.on_close = chunks, on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:   # the client went away while we wrote
+            pass
+        finally:
+            self.on_close()
+            await self.chunks.aclose()
+
+
+class Server:
+    """The app's state: the engine behind its loop, the settings, the counters."""
+
+    def __init__(self, engine: Any, settings: AppSettings) -> None:
+        self.engine, self.settings = engine, settings
+        self.loop = EngineLoop(engine)
+        self.metrics = ServerMetrics()
+        self.names = {settings.served_model_name, *settings.model_aliases}
+        self.tokenizer = engine.tokenizer
+        self._token_texts: dict[int, str] = {}
+
+    # --- checks ---------------------------------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization")
+        if not header:
+            raise APIError(401, "no API key given: send the header 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"the model {model!r} does not exist: this server serves "
+                           f"{self.settings.served_model_name!r}", param="model", code="model_not_found")
+
+    def check_capacity(self, num_sequences: int) -> None:
+        if not self.loop.alive:
+            raise APIError(503, f"the engine is not running ({self.loop.error or 'stopped'})", type="server_error")
+        limit = self.engine.config.max_num_seqs + self.settings.max_queue
+        if num_sequences > limit:
+            raise APIError(400, f"this request needs {num_sequences} sequences but the server holds at most "
+                           f"{limit} (--max-batch-size + --max-queue): lower n", param="n")
+        if self.loop.num_in_flight + num_sequences > limit:
+            self.metrics.rejected_queue_full += 1
+            raise APIError(429, f"the server's queue is full ({self.loop.num_in_flight} sequences in flight, "
+                           f"at most {limit}): retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"})
+
+    # --- tokens ---------------------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            self._token_texts[token_id] = text
+        return text
+
+    def encode_messages(self, req: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
+        messages = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, "only text content parts are supported by this server",
+                                   param="messages", code="unsupported_parameter")
+                content = "".join(part.text or "" for part in content)
+            role = "system" if m.role == "developer" else m.role
+            messages.append({"role": role, "content": content or ""})
+        try:
+            return encode_chat(self.tokenizer, messages)
+        except Exception as exc:  # jinja's TemplateError and the templates' own raise_exception
+            if type(exc).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError") and \
+                    not isinstance(exc, (ValueError, TypeError)):
+                raise
+            raise APIError(400, f"the model's chat template refused these messages: {exc}",
+                           param="messages") from None
+
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if not all(isinstance(t, int) for t in prompt):
+            raise APIError(400, "a token-id prompt is a list of integers", param="prompt", code="invalid_type")
+        vocab = self.engine.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        return list(prompt)
+
+    def params(self, req: Any, prompt_len: int, choice: int) -> SamplingParams:
+        limit = self.engine.scheduler.max_len - prompt_len
+        seed = None if req.seed is None else req.seed + choice
+        try:
+            sp = SamplingParams(
+                max_tokens=min(req.max_new_tokens or limit, limit), temperature=req.temperature, top_p=req.top_p,
+                top_k=None if req.top_k is None else max(req.top_k, 0), min_p=req.min_p,
+                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, seed=seed, stop=req.stop or [],
+                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs)
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            return sp.with_defaults(self.engine.generation_config, eos)
+        except UserError as exc:
+            raise APIError(400, str(exc)) from None
+
+    # --- generation -----------------------------------------------------------------------------------
+
+    async def generate(self, endpoint: str, req: Any, prompts: list[list[int]], request: Request) -> Response:
+        max_len = self.engine.scheduler.max_len
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "the prompt is empty: give at least one token",
+                               param="messages" if endpoint == "chat" else "prompt")
+            if len(ids) >= max_len:
+                raise APIError(400, f"the prompt has {len(ids)} tokens but this server's context holds "
+                               f"{max_len} (prompt and answer together): shorten it",
+                               param="messages" if endpoint == "chat" else "prompt",
+                               code="context_length_exceeded")
+        self.check_capacity(len(prompts) * req.n)
+        params = [[self.params(req, len(ids), j) for j in range(req.n)] for ids in prompts]
+        job = Job(self.loop, self.metrics, endpoint, prompts, params, request.receive)
+        renderer = Renderer(endpoint, self.settings.served_model_name, self.token_text)
+        want_logprobs = req.num_logprobs is not None
+        if req.stream:
+            opts = req.stream_options
+            chunks = renderer.stream(job, want_logprobs, bool(opts and opts.include_usage),
+                                     bool(opts and opts.continuous_usage_stats))
+            return EventStream(chunks, job.close)
+        try:
+            body = await renderer.whole(job, want_logprobs)
+        finally:
+            job.close()
+        if body is None:   # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(body)
+
+
+def create_app(engine: Any, settings: AppSettings) -> FastAPI:
+    """The ASGI app over `engine` (its loop thread starts with the app and stops with it)."""
+    from contextlib import asynccontextmanager
+
+    server = Server(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        try:
+            yield
+        finally:
+            await server.loop.stop()
+
+    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    if settings.allow_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allow_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("error answering %s %s", request.method, request.url.path)
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                       "type": "server_error", "param": None, "code": None}}, status_code=500)
+
+    async def chat_completions(request: Request) -> Response:
+        server.check_auth(request)
+        req = parse_request(await request.body(), ChatCompletionRequest)
+        server.check_model(req.model)
+        return await server.generate("chat", req, [server.encode_messages(req)], request)
+
+    async def completions(request: Request) -> Response:
+        server.check_auth(request)
+        req = parse_request(await request.body(), CompletionRequest)
+        server.check_model(req.model)
+        prompts = [server.encode_prompt(p) for p in req.prompts()]
+        return await server.generate("completions", req, prompts, request)
+
+    async def models(request: Request) -> JSONResponse:
+        server.check_auth(request)
+        card = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "quantkit",
+                "max_model_len": engine.scheduler.max_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if server.loop.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error", "error": server.loop.error or "the engine loop is not running"},
+                            status_code=503)
+
+    async def metrics(request: Request) -> PlainTextResponse:
+        text = server.metrics.render(engine.stats(), server.loop.num_in_flight)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def page(request: Request) -> Response:
+        html = importlib.resources.files("quantkit.server").joinpath("static").joinpath("chat.html")
+        if not html.is_file():
+            raise APIError(404, "this installation has no chat page (quantkit/server/static/chat.html)",
+                           type="not_found")
+        return HTMLResponse(html.read_text(encoding="utf-8"))
+
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST", "GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST", "GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/", page, methods=["GET"])
+    return app

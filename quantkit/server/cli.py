@@ -1,0 +1,68 @@
+"""`quantkit serve`: flags → ServeConfig → `serve`. Registered on the main app by quantkit/cli.py."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+
+def serve(
+    model: str = typer.Argument(..., show_default=False, help="An HF model directory, a quantkit export, or "
+                                "random:SHAPE:WEIGHTS (random weights of a real shape, e.g. random:llama2-7b:w4, "
+                                "random:tiny:fp16; SHAPE llama2-7b, llama3-8b, internlm2-1.8b or tiny, WEIGHTS w4 "
+                                "or fp16) with a byte-level tokenizer (one token per byte)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on; 0.0.0.0 makes the server "
+                             "reachable from other machines."),
+    port: int = typer.Option(23333, "--port", "--server-port", help="TCP port (0 picks a free one, printed)."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model's name in the API "
+                                                 "(`model` field, /v1/models) (default: the directory's name)."),
+    kv_bits: int = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and "
+                                "head)."),
+    cache_max_entry_count: float = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of the GPU memory "
+                                                "free after the weights that the KV pool takes."),
+    num_kv_tokens: int | None = typer.Option(None, "--num-kv-tokens", help="KV pool size in tokens, instead of "
+                                             "the fraction (the CPU's pool: 8192 when unset)."),
+    max_batch_size: int = typer.Option(256, "--max-batch-size", help="Most sequences decoded together in one "
+                                       "step."),
+    max_queue: int = typer.Option(512, "--max-queue", help="Most sequences waiting beyond --max-batch-size; "
+                                  "requests past that are answered 429 with Retry-After."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length, prompt and answer "
+                                             "together (default: the model's)."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Tokens one step computes "
+                                               "at most (longer prompts are prefilled in chunks)."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="QUANTKIT_API_KEY", help="Require "
+                                       "'Authorization: Bearer KEY' on /v1/* (also read from $QUANTKIT_API_KEY)."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer directory to use instead of the "
+                                         "model's (or of a random model's byte-level one)."),
+    device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA "
+                                     "graphs."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV blocks "
+                                        "of prompts' common prefixes (chat history, system prompts)."),
+    allow_origins: list[str] = typer.Option([], "--allow-origin", help="Let browser pages from this origin call "
+                                            "the API (CORS), e.g. http://127.0.0.1:6006; '*' for any "
+                                            "(repeatable)."),
+    shutdown_timeout: float | None = typer.Option(None, "--shutdown-timeout", help="Seconds the running requests "
+                                                  "get to finish after SIGTERM before they are aborted "
+                                                  "(default: as long as they need)."),
+    access_log: bool = typer.Option(False, "--access-log", help="Log one line per HTTP request."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
+) -> None:
+    """OpenAI-compatible HTTP server on the engine: /v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics, and a chat page at /. SIGTERM or Ctrl-C finishes the running requests, then exits."""
+    from quantkit.config import check_device
+    from quantkit.engine.config import EngineConfig
+    from quantkit.server.launch import ServeConfig
+    from quantkit.server.launch import serve as run_serve
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
+    check_device(device)
+    engine = EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, num_kv_tokens=num_kv_tokens,
+                          max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, device=device, cuda_graphs=cuda_graphs,
+                          enable_prefix_caching=prefix_caching)
+    run_serve(ServeConfig(model=model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                          max_queue=max_queue, tokenizer=tokenizer, engine=engine, allow_origins=allow_origins,
+                          shutdown_timeout=shutdown_timeout, access_log=access_log,
+                          log_level="warning" if quiet else "info"))

@@ -1,0 +1,127 @@
+"""`serve(ServeConfig)`: bind the address, load the model, run the app under uvicorn until a signal.
+
+The socket is bound before the model loads, so a busy port is reported at once, not after minutes of
+loading. SIGTERM or Ctrl-C stops accepting connections, lets the running requests finish (at most
+`shutdown_timeout` seconds, then they are aborted), stops the engine loop, and returns: exit code 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from quantkit.config import UserError
+from quantkit.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeConfig:
+    """Everything `quantkit serve` takes: the model, the address, the HTTP limits and the engine's config."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 23333
+    served_model_name: Optional[str] = None     # default: the model directory's name, or the random spec
+    api_key: Optional[str] = None
+    max_queue: int = 512
+    tokenizer: Optional[str] = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    allow_origins: Sequence[str] = ()
+    shutdown_timeout: Optional[float] = None    # seconds the running requests get after SIGTERM (None: all)
+    access_log: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise UserError(f"--port {self.port} is not a port: use 1-65535 (0 picks a free one)")
+        if self.max_queue < 0:
+            raise UserError(f"--max-queue {self.max_queue} must be ≥ 0")
+        if self.api_key is not None and not self.api_key.strip():
+            raise UserError("--api-key is empty: give a key, or leave the flag out for no authentication")
+        if self.shutdown_timeout is not None and self.shutdown_timeout < 0:
+            raise UserError(f"--shutdown-timeout {self.shutdown_timeout} must be ≥ 0 seconds")
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model.startswith("random:"):
+            return self.model
+        from pathlib import Path
+
+        return Path(self.model.rstrip("/")).name or self.model
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening); a one-line UserError when that fails."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host!r} is not an address of this machine ({exc.strerror}): "
+                        "use 127.0.0.1, 0.0.0.0 or a local interface's address") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port "
+                        "(or stop the program using it)") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(config: ServeConfig) -> None:
+    """Run the server until SIGTERM / Ctrl-C (see the module docstring)."""
+    try:
+        import uvicorn
+
+        from quantkit.server.app import AppSettings, create_app
+    except ImportError as exc:
+        raise UserError(f"quantkit serve needs the serve extra ({exc.name} is missing): "
+                        "pip install 'quantkit[serve]'") from None
+    from quantkit.server.model_source import load_engine
+
+    sock = bind(config.host, config.port)
+    url = url_of(sock)
+    print(f"quantkit serve: loading {config.model}; will answer at {url}", flush=True)
+    engine = load_engine(config.model, config.engine, config.tokenizer)
+    settings = AppSettings(
+        served_model_name=config.model_name, model_aliases=(config.model,), api_key=config.api_key,
+        max_queue=config.max_queue, allow_origins=tuple(config.allow_origins))
+    ready = (f"quantkit serve: ready at {url} (model {config.model_name!r}, {engine.block_manager.num_blocks} KV "
+             f"blocks of {engine.config.block_size} tokens, context {engine.scheduler.max_len} tokens)")
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:   # listening now
+                print(ready, flush=True)
+
+    app = create_app(engine, settings)
+    server = Server(uvicorn.Config(
+        app, log_level=config.log_level, access_log=config.access_log, lifespan="on",
+        timeout_graceful_shutdown=config.shutdown_timeout, timeout_keep_alive=30))
+    # uvicorn drains, then re-raises the signal it caught so that the default action (death by signal)
+    # follows; a no-op handler in place makes that a plain return, and the exit code 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if not server.started:
+        raise UserError(f"the server did not start at {url} (see the lines above)")
+    print("quantkit serve: stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,107 @@
+"""tests/server's helpers: `quantkit serve` as a real subprocess on 127.0.0.1 (a free port it picks
+itself) over a tiny random Llama whose tokenizer has a chat template, waited on /health, SIGTERMed
+(then killed) at the end; /metrics read as numbers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from tiny import make_tiny_model, make_tokenizer
+
+# System turns, alternating roles, and an end token after each turn, as real chat templates have.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SERVED_NAME = "tiny-chat"
+START_TIMEOUT = 120.0
+
+
+def write_chat_model(directory: Path) -> Path:
+    make_tiny_model("llama").save_pretrained(str(directory))
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+class ServerProcess:
+    """A `quantkit serve` child process; `url` once it answers /health."""
+
+    def __init__(self, model: str, *args: str, log: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log_path = log
+        self.log = open(log, "w")
+        cmd = [sys.executable, "-m", "quantkit.cli", "serve", model, "--port", "0", "--device", "cpu", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = self._wait_ready()
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def _wait_ready(self) -> str:
+        import requests
+
+        deadline = time.monotonic() + START_TIMEOUT
+        url: Optional[str] = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"quantkit serve exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            if url is None:
+                m = re.search(r"will answer at (http://\S+)", self.output())
+                url = m.group(1) if m else None
+            if url is not None:
+                try:
+                    if requests.get(url + "/health", timeout=2).status_code == 200:
+                        return url
+                except requests.RequestException:
+                    pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"quantkit serve did not answer /health in {START_TIMEOUT:.0f} s:\n{self.output()[-3000:]}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> Optional[int]:
+        """SIGTERM, wait (bounded), kill if needed; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+        return self.proc.returncode
+
+
+def metrics(url: str) -> dict[str, float]:
+    """GET /metrics as {'name{labels}': value}."""
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until no sequence is in flight and no KV block is held; the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = m["quantkit_num_requests_in_flight"] == 0 and m["quantkit_kv_blocks_used"] == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)

@@ -1,0 +1,32 @@
+"""Fixtures of tests/server: the tiny chat model on disk, its tokenizer, and the shared `quantkit serve`
+subprocess (helpers in tests/serve_process.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serve_process import SERVED_NAME, ServerProcess, write_chat_model
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> Path:
+    return write_chat_model(tmp_path_factory.mktemp("serve") / "tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(chat_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(chat_model_dir))
+
+
+@pytest.fixture(scope="session")
+def qk_server(chat_model_dir, tmp_path_factory):
+    """The suite's shared server: 32 sequences per batch, a 4096-token KV pool, no key."""
+    server = ServerProcess(str(chat_model_dir), "--served-model-name", SERVED_NAME, "--num-kv-tokens", "4096",
+                           "--max-batch-size", "32", "--quiet",
+                           log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield server
+    server.stop()
