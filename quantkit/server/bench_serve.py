@@ -11,7 +11,7 @@ from the first request sent to the last answer. Columns (the seed's table):
   mean and 99th percentile over the completed requests, in ms.
 
 Failed requests are counted per level with their messages; a level where all fail still has a row.
-Before the sweep one or two short probe requests check that the server answers, find the model name
+Before the sweep a few short probe requests check that the server answers, find the model name
 when none is given, drop the length-forcing fields (`ignore_eos`, `min_tokens`) if the server refuses
 them, and fit the random prompts' word count to `--input-len` with the server's own token counts.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -29,9 +30,10 @@ import aiohttp
 
 from quantkit.config import UserError
 from quantkit.server import bench_client as client
-from quantkit.server.bench_dataset import Prompt, exact_prompts, load_jsonl, load_tokenizer, random_prompts, take
+from quantkit.server.bench_dataset import WORDS, Prompt, exact_prompts, load_jsonl, load_tokenizer, random_prompts, take
 
 DEFAULT_CONCURRENCY = (1, 4, 8, 16, 64, 128)
+CHUNK = 32  # words per probe request of fit_words
 
 
 def default_num_prompts(concurrency: int) -> int:
@@ -205,18 +207,27 @@ class _Bench:
         return res
 
     async def fit_words(self, input_len: int) -> int:
-        """Words per random prompt so that the server counts about `input_len` prompt tokens: two probes
-        (n and 2n words) give the tokens per word and the fixed part (chat template, BOS)."""
-        n = max(8, min(input_len, 256))
-        a = await self.probe(random_prompts(1, n, 2, self.cfg.seed + 10_000)[0])
-        if a.prompt_tokens is None:
+        """Words per random prompt so that the server counts `input_len` prompt tokens on average.
+
+        Random prompts draw words uniformly from WORDS, so the mean tokens per word is that of the whole
+        list: the list is sent in chunks of CHUNK words (short requests, max_tokens 2), and the fixed part
+        of a prompt (chat template, BOS) comes from the first two chunks alone and joined."""
+        rng = random.Random(self.cfg.seed + 10_000)
+        words = list(WORDS)
+        rng.shuffle(words)
+        chunks = [words[i:i + CHUNK] for i in range(0, len(words), CHUNK)]
+
+        async def count(ws: list[str]) -> Optional[int]:
+            return (await self.probe(Prompt(output_len=2, prompt=" ".join(ws)))).prompt_tokens
+
+        counts = [await count(chunks[0]), await count(chunks[1]), await count(chunks[0] + chunks[1])]
+        if None in counts:
             self.notes.append("the server reports no prompt_tokens: random prompts have --input-len words, "
                               "input token counts are unknown")
             return input_len
-        b = await self.probe(random_prompts(1, 2 * n, 2, self.cfg.seed + 10_001)[0])
-        per_word = max((b.prompt_tokens - a.prompt_tokens) / n, 1e-3)
-        fixed = a.prompt_tokens - per_word * n
-        return max(1, round((input_len - fixed) / per_word))
+        fixed = counts[0] + counts[1] - counts[2]
+        total = counts[0] + counts[1] - 2 * fixed + sum([await count(c) - fixed for c in chunks[2:]])
+        return max(1, round((input_len - fixed) / (total / len(words))))
 
     async def fixed_tokens(self, tokenizer) -> int:
         """Prompt tokens the server adds around a text (chat template, BOS), from one probe."""

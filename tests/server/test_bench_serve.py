@@ -1,7 +1,7 @@
 """`quantkit bench serve` against a fake OpenAI-compatible server of known timing.
 
 The fake streams `max_tokens` tokens: a role-only chunk at once, the first token after TTFT seconds,
-each next one ITL seconds later, then a usage chunk and [DONE]; it counts the prompt's words plus
+each next one ITL seconds later (no waits for the probes' max_tokens 2), then a usage chunk and [DONE]; it counts the prompt's words plus
 FIXED as prompt tokens and records how many requests it had in flight at most. Its model name picks
 a behaviour (failures, refused fields, no usage, two tokens a chunk).
 """
@@ -90,9 +90,10 @@ class FakeServer:
             if chat:
                 await _event(resp, {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             per_chunk = 2 if model == "double" else 1
-            await asyncio.sleep(self.ttft)
+            probe = n <= 2  # bench serve's probes (max_tokens 2) are answered at once
+            await asyncio.sleep(0 if probe else self.ttft)
             for i in range(0, n, per_chunk):
-                if i:
+                if i and not probe:
                     await asyncio.sleep(self.itl)
                 words = " ".join("tok" for _ in range(min(per_chunk, n - i))) + " "
                 choice = {"index": 0, "delta": {"content": words}} if chat else {"index": 0, "text": words}
@@ -164,7 +165,7 @@ def test_timing_and_throughput_match_the_fake(server):
 
 def test_concurrency_puts_that_many_requests_in_flight(server):
     server.ttft = 1.0  # long enough for every client to have sent its request
-    result = run(server, model="fake-7b", concurrency=(120,), num_prompts=120, output_len=2)
+    result = run(server, model="fake-7b", concurrency=(120,), num_prompts=120)
     assert result.rows[0]["completed"] == 120
     assert server.max_in_flight == 120  # above aiohttp's default limit of 100 connections
 
