@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import requests
 
 from fake_openai import FakeOpenAI
 from quantkit.server.api_client import (ApiChatSession, ChatOptions, OpenAIClient, ServerError, api_client,
@@ -149,3 +150,26 @@ def test_entry_point_picks_the_first_model(monkeypatch, capsys):
         api_client(fake.url, options=ChatOptions(system="s"))
     assert fake.chats()[0].body["model"] == "tiny-chat"
     assert f"{fake.url} · model tiny-chat" in capsys.readouterr().out
+
+
+def test_against_quantkit_serve(qk_server):
+    """`quantkit api-client` in a subprocess against `quantkit serve` (tiny random model, greedy): each
+    answer printed is what the server gives for the whole conversation so far."""
+    proc = subprocess.run(cli(qk_server.url, "--temperature", "0", "--max-tokens", "6", "--system", "be brief"),
+                          input="the model quantizes weights\nand the cache keeps keys\nexit\n",
+                          capture_output=True, text=True, timeout=60, env=ENV)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    model = requests.get(qk_server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    assert proc.stdout.startswith(f"{qk_server.url.rstrip('/')} · model {model}\n")
+
+    def whole(messages: list[dict]) -> str:
+        body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 6}
+        return requests.post(qk_server.url + "/v1/chat/completions", json=body, timeout=60).json()[
+            "choices"][0]["message"]["content"]
+
+    history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the model quantizes weights"}]
+    first = whole(history)
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "and the cache keeps keys"}]
+    second = whole(history)
+    assert first and second
+    assert f">>> {first}\n\n>>> {second}\n\n>>> " in proc.stdout

@@ -12,6 +12,7 @@ import time
 from contextlib import contextmanager
 
 import pytest
+import requests
 from playwright.sync_api import sync_playwright
 
 from fake_openai import FakeOpenAI
@@ -93,7 +94,7 @@ def test_streamed_answer_and_history(browser):
     assert len(partial) >= 4 and all(answer.startswith(t) for t in partial)
     times = [ms for ms, t in shown if t]
     assert (times[-1] - times[0]) / 1000 > 0.3  # 8 chunks 80 ms apart: not all at once
-    assert re.fullmatch(r"8 tokens · [\d.]+ tok/s · first token after [\d.]+ s", stats), stats
+    assert re.fullmatch(r"Last answer: 8 tokens · [\d.]+ tok/s · first token after [\d.]+ s", stats), stats
     first, second = (r.body for r in fake.chats())
     system = {"role": "system", "content": "be brief"}
     assert first["messages"] == [system, {"role": "user", "content": "hello"}]
@@ -157,3 +158,51 @@ def test_server_errors_are_shown(browser):
     assert message == "the prompt is 300 tokens, more than the context of 256 (HTTP 400)"
     assert left == 0 and restored == "a long prompt"  # the failed turn is taken back for another try
     assert fake.chats()[-1].headers["Authorization"] == "Bearer sk-page"
+
+
+def test_page_served_by_quantkit_serve(browser, qk_server):
+    """The page as `quantkit serve` sends it at /, against its engine (a tiny random model, greedy): each
+    answer is what the server gives for the whole conversation so far."""
+    import requests
+
+    context = browser.new_context()
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    sent: list[dict] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    try:
+        page.goto(qk_server.url + "/")
+        page.wait_for_function("() => document.getElementById('model').value !== '' && "
+                               "document.getElementById('model').value !== 'loading…'")
+        model = page.input_value("#model")
+        page.click("#settings summary")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "8")
+        say(page, "the model quantizes weights")
+        page.wait_for_function(f"() => ({ASSISTANT_TEXTS})().length === 1", timeout=30_000)
+        page.wait_for_function(IDLE, timeout=30_000)
+        say(page, "and the cache keeps keys")
+        page.wait_for_function(f"() => ({ASSISTANT_TEXTS})().length === 2", timeout=30_000)
+        page.wait_for_function(IDLE, timeout=30_000)
+        answers = page.evaluate(ASSISTANT_TEXTS)
+        stats = page.text_content("#stats")
+        shown_error = page.is_visible("#error")
+    finally:
+        context.close()
+    assert not errors and not shown_error
+    assert model == qk_server_model(qk_server.url)
+    assert len(sent) == 2 and sent[1]["messages"] == [
+        {"role": "user", "content": "the model quantizes weights"},
+        {"role": "assistant", "content": answers[0]},
+        {"role": "user", "content": "and the cache keeps keys"}]
+    for body, answer in zip(sent, answers):
+        whole = requests.post(qk_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": body["messages"], "temperature": 0, "max_tokens": 8}).json()
+        assert answer == whole["choices"][0]["message"]["content"] and answer
+    # The token count is the server's usage (no "≈"), for the last answer.
+    assert re.fullmatch(r"Last answer: [1-8] tokens · .* tok/s · first token after [\d.]+ s", stats), stats
+
+
+def qk_server_model(url: str) -> str:
+    return requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
