@@ -89,21 +89,29 @@ def int8(
 
 @app.command()
 def generate(
-    checkpoint: Path = typer.Argument(..., help="A quantkit checkpoint directory."),
-    prompts: list[str] = typer.Argument(..., help="One or more prompts."),
+    checkpoint: Path = typer.Argument(..., help="A quantkit checkpoint or a Hugging Face model directory."),
+    prompts: list[str] = typer.Argument(..., help="One or more prompts (each one user turn of the chat template "
+                                        "when the tokenizer has one)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 means greedy decoding."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens; 0 means all."),
+    seed: int | None = typer.Option(None, "--seed", help="Sampling seed (same seed, same text)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop at this string (repeatable)."),
+    kv_bits: int = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and head)."),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda [default: cuda when present]."),
     as_json: bool = typer.Option(False, "--json", help="Print the responses as JSON."),
 ) -> None:
-    """Generate text for a batch of prompts with a quantized checkpoint."""
-    from quantkit.runtime.pipeline import pipeline
+    """Generate text for a batch of prompts on the engine (all prompts batched together)."""
+    from quantkit.engine import EngineConfig, SamplingParams
+    from quantkit.engine.pipeline import pipeline
 
-    pipe = pipeline(checkpoint, device=device)
-    responses = pipe(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop)
+    check_device(device)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=stop)
+    params.validate()
+    pipe = pipeline(checkpoint, EngineConfig(kv_bits=kv_bits, device=device))
+    responses = pipe(prompts, params, progress=False)
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in responses], ensure_ascii=False, indent=2))
         return

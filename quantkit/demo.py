@@ -1,5 +1,5 @@
 """The README's first command: quantize SmolLM2-135M-Instruct on the CPU, evaluate it against the
-original and print the comparison. Works offline: without Penn Treebank text it calibrates and
+original, print the comparison and two answers of the quantized model on the inference engine. Works offline: without Penn Treebank text it calibrates and
 evaluates on Python's own documentation (pydoc_data) and says so."""
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ def pick_dataset(data_dir: str | None, echo: Callable[[str], None] = print) -> s
 
 
 def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None] = print):
-    """Quantize, compare fp vs quantized (table, Markdown report, PNG chart), show two generations."""
+    """Quantize, compare fp vs quantized (table, Markdown report, PNG chart), show two greedy answers
+    of the quantized checkpoint on the engine."""
     import quantkit
     from quantkit.eval.compare import compare
     from quantkit.eval.report import print_table
-    from quantkit.runtime.pipeline import Pipeline
 
     t0 = time.perf_counter()
     gguf = find_demo_model(settings.install, echo)
@@ -96,9 +96,9 @@ def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None
     comparison = compare(gguf, [result.work_dir], datasets=[dataset], seqlen=settings.eval_seqlen,
                          windows=settings.eval_windows, data_dir=settings.data_dir, device="cpu", output=report)
     print_table(comparison, title=f"SmolLM2-135M-Instruct, {dataset} test, {settings.eval_windows} × {settings.eval_seqlen} tokens")
-    model, tok = quantkit.load(result.work_dir, device="cpu")
-    pipe = Pipeline(model, tok)
-    for prompt, resp in zip(DEMO_PROMPTS, pipe(DEMO_PROMPTS, max_new_tokens=32)):
+    pipe = quantkit.pipeline(result.work_dir, quantkit.EngineConfig(device="cpu", num_kv_tokens=1024))
+    answers = pipe(DEMO_PROMPTS, max_new_tokens=32, temperature=0.0, progress=False)
+    for prompt, resp in zip(DEMO_PROMPTS, answers):
         echo(f"\n> {prompt}\n{resp.text.strip()}")
     echo(f"\ncheckpoint: {result.work_dir}   report: {' + '.join(comparison.written)}   "
          f"total time: {time.perf_counter() - t0:.0f}s")

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/probes/decode_profile.py --work /tmp/decode-prof [--layers 4] [--batches 1,8]
 
-Builds the random-weight Llama-2-7B-shape checkpoint of bench/probes/decode_speed.py with fewer layers, then for
+Builds the random-weight Llama-2-7B-shape checkpoint of bench/kernels_e2e.py with fewer layers, then for
 each batch size times `--new` greedy tokens eagerly and prints cProfile's top functions by own time:
 where the host time of an eager decode step goes.
 """

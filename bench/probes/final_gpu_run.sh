@@ -1,7 +1,9 @@
 #!/bin/bash
 # The published kernel figures (BENCHMARKS.md, "Kernels"), in three device calls of under 10 minutes:
 #   bash bench/probes/final_gpu_run.sh OUTDIR a    # table + plot (kernels.py), end to end (kernels_e2e.py): runs 37, 41, 59, 63
-#   bash bench/probes/final_gpu_run.sh OUTDIR b    # decode speed (decode_speed.py), W4 correctness (kernels_check.py): runs 39, 41, 42, 64, 67
+#   bash bench/probes/final_gpu_run.sh OUTDIR b    # W4 correctness (kernels_check.py): runs 39, 41, 42, 64
+#   (decode speed came from decode_speed.py, removed with the transformers-graph decode loop it timed:
+#   the engine's speed is `quantkit bench latency`)
 #   bash bench/probes/final_gpu_run.sh OUTDIR c    # W8 correctness (kernels_check.py --bits 8)
 #   bash bench/probes/final_gpu_run.sh OUTDIR q    # probes: producer warp (gluon_ws.py, run 75), read-only floor (read_floor.py, run 78)
 out=${1:?usage: bench/probes/final_gpu_run.sh OUTDIR a|b|c|q}
@@ -13,7 +15,6 @@ if [ "$part" = a ]; then
   timeout 330 python bench/kernels.py --ms 1,2,4,8,16,32,64,128,256,512,1024 --out "$out"/speed 2>&1 | tail -80
   timeout 200 python bench/kernels_e2e.py --work /tmp/e2e --out "$out"/e2e.json 2>&1 | tail -8
 elif [ "$part" = b ]; then
-  timeout 240 python bench/probes/decode_speed.py --work /tmp/decode --out "$out"/decode.json 2>&1 | tail -14
   timeout 320 python bench/kernels_check.py --quick --bits 4 --ms 1,3,16,21,30,45,64,77,130,300,500 > "$out"/kernels_check_w4.txt 2>&1
   echo "kernels_check exit $?"; tail -3 "$out"/kernels_check_w4.txt
 elif [ "$part" = q ]; then  # bench/KERNELS_NOTES.md items 76 and 79

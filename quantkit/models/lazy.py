@@ -35,12 +35,16 @@ class TensorReader:
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}
         files = sorted(self.path.glob("*.safetensors"))
         if files:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
             for f in files:
-                with safe_open(str(f), "pt") as handle:
-                    for name in handle.keys():
-                        self.file_of[name] = f
+                try:
+                    with safe_open(str(f), "pt") as handle:
+                        for name in handle.keys():
+                            self.file_of[name] = f
+                except (SafetensorError, OSError) as exc:  # a cut-off download or copy: say which file
+                    raise WeightsMismatch(f"{f} is truncated or corrupt ({exc}); download or re-create "
+                                          "it".replace("\n", " ")) from None
             return
         for f in sorted(self.path.glob("pytorch_model*.bin")):
             try:  # mmap=True: the tensors are views of the file, read when touched

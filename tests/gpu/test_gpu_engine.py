@@ -3,7 +3,7 @@ sized from free memory, and the benchmarks at a real shape.
 
 Greedy tokens are checked teacher-forced against transformers' eager logits of the same checkpoint:
 at every position our token must be transformers' argmax or within a hair of it (fp16 sums in another
-order part near-ties now and then; see test_gpu_decode.py).
+order part near-ties now and then).
 """
 
 from __future__ import annotations
