@@ -1,21 +1,23 @@
 """The chat page in headless Chromium (Debian's /usr/bin/chromium driven by Playwright): a streamed answer
 appears piece by piece, the second turn sends the history and the settings, Stop aborts the server's
-request and keeps what was shown, Clear starts over, server errors reach the user. The page is served by
-`quantkit webui` in front of the scripted server of tests/fake_openai.py, which records what it got."""
+request and keeps what was shown, Clear starts over, server errors reach the user: the page served by
+`quantkit webui` in front of the scripted server of tests/fake_openai.py, which records what it got. Then
+the page at / of the real `quantkit serve` (and webui in front of it) on a tiny random model."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import requests
 from playwright.sync_api import sync_playwright
 
 from fake_openai import FakeOpenAI
+from serve_process import SERVED_NAME
 from quantkit.server.webui import WebUIConfig, WebUIServer
 
 # Debian's package (.ci/run installs it; Playwright's own browser download is not used). Elsewhere, point
@@ -44,7 +46,7 @@ def browser():
         b.close()
 
 
-@contextmanager
+@contextlib.contextmanager
 def chat_page(browser, fake: FakeOpenAI):
     """The page, served by webui in front of `fake`; fails the test on any script error in the page."""
     server = WebUIServer(WebUIConfig(url=fake.url, port=0))
@@ -160,21 +162,28 @@ def test_server_errors_are_shown(browser):
     assert fake.chats()[-1].headers["Authorization"] == "Bearer sk-page"
 
 
-def test_page_served_by_quantkit_serve(browser, qk_server):
-    """The page as `quantkit serve` sends it at /, against its engine (a tiny random model, greedy): each
-    answer is what the server gives for the whole conversation so far."""
-    import requests
-
-    context = browser.new_context()
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    sent: list[dict] = []
-    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
-    try:
-        page.goto(qk_server.url + "/")
-        page.wait_for_function("() => document.getElementById('model').value !== '' && "
-                               "document.getElementById('model').value !== 'loading…'")
+@pytest.mark.parametrize("front", ["serve", "webui"])
+def test_page_against_quantkit_serve(browser, qk_server, front):
+    """The page as `quantkit serve` sends it at / (or `quantkit webui` in front of it), against its engine
+    (a tiny random model, greedy): each answer is what the server gives for the whole conversation so far."""
+    with contextlib.ExitStack() as stack:
+        url = qk_server.url + "/"
+        if front == "webui":
+            server = WebUIServer(WebUIConfig(url=qk_server.url, port=0))
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+            url = server.url
+        context = browser.new_context()
+        stack.callback(context.close)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions")
+                else None)
+        page.goto(url)
+        page.wait_for_function("() => !['', 'loading…'].includes(document.getElementById('model').value)")
         model = page.input_value("#model")
         page.click("#settings summary")
         page.fill("#temperature", "0")
@@ -188,10 +197,8 @@ def test_page_served_by_quantkit_serve(browser, qk_server):
         answers = page.evaluate(ASSISTANT_TEXTS)
         stats = page.text_content("#stats")
         shown_error = page.is_visible("#error")
-    finally:
-        context.close()
     assert not errors and not shown_error
-    assert model == qk_server_model(qk_server.url)
+    assert model == SERVED_NAME
     assert len(sent) == 2 and sent[1]["messages"] == [
         {"role": "user", "content": "the model quantizes weights"},
         {"role": "assistant", "content": answers[0]},
@@ -202,7 +209,3 @@ def test_page_served_by_quantkit_serve(browser, qk_server):
         assert answer == whole["choices"][0]["message"]["content"] and answer
     # The token count is the server's usage (no "≈"), for the last answer.
     assert re.fullmatch(r"Last answer: [1-8] tokens · .* tok/s · first token after [\d.]+ s", stats), stats
-
-
-def qk_server_model(url: str) -> str:
-    return requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
