@@ -26,9 +26,12 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
-import aiohttp
-
 from quantkit.config import UserError
+
+try:
+    import aiohttp
+except ImportError:  # an optional dependency: the CLI prints this as one line
+    raise UserError("quantkit bench serve needs aiohttp: pip install aiohttp") from None
 from quantkit.server import bench_client as client
 from quantkit.server.bench_dataset import WORDS, Prompt, exact_prompts, load_jsonl, load_tokenizer, random_prompts, take
 
