@@ -31,7 +31,7 @@ import quantkit.quantize as _quantize_pkg  # noqa: E402,F401
 
 __all__ = [
     "AWQConfig", "CalibConfig", "ConfigError", "KVQuantConfig", "QuantizeConfig", "WeightQuantConfig",
-    "build_config", "load_recipe", "load", "pipeline", "quantize", "__version__",
+    "build_config", "load_recipe", "load", "load_image", "pipeline", "quantize", "__version__",
     "Engine", "EngineConfig", "SamplingParams",
 ]
 
@@ -55,6 +55,13 @@ def pipeline(*args: Any, **kwargs: Any):
     from quantkit.engine.pipeline import pipeline as _pipeline
 
     return _pipeline(*args, **kwargs)
+
+
+def load_image(*args: Any, **kwargs: Any):
+    """See `quantkit.engine.images.load_image`: a path, PIL image or data:/http(s) URL → an RGB PIL image."""
+    from quantkit.engine.images import load_image as _load_image
+
+    return _load_image(*args, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,13 @@ def block_hash(token_ids: list[int], prefix_hash: int) -> int:
     return hash((prefix_hash, tuple(token_ids)))
 
 
+def chain_start(seq: Sequence) -> int:
+    """The hash a sequence's chain starts from: its images' hash when it has images (two requests share
+    blocks only after the same images), else NO_HASH."""
+    images = getattr(seq, "images", None)
+    return NO_HASH if images is None else images.hash
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
@@ -62,7 +69,7 @@ class BlockManager:
         its logits give the next token."""
         if not self.prefix_caching:
             return []
-        found, h = [], NO_HASH
+        found, h = [], chain_start(seq)
         for i in range((len(seq) - 1) // self.block_size):
             token_ids = seq.block(i, self.block_size)
             h = block_hash(token_ids, h)
@@ -130,7 +137,7 @@ class BlockManager:
             return
         start = self.num_hashed.get(seq.arrival, 0)
         end = seq.num_computed_tokens // self.block_size
-        h: Optional[int] = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
+        h: Optional[int] = self.blocks[seq.block_table[start - 1]].hash if start > 0 else chain_start(seq)
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             block.token_ids = seq.block(i, self.block_size)

@@ -25,11 +25,12 @@ from quantkit.engine.block_manager import BlockManager
 from quantkit.engine.config import EngineConfig, SamplingParams
 from quantkit.engine.detokenize import IncrementalDetokenizer
 from quantkit.engine.model_runner import ModelRunner
+from quantkit.engine.multimodal import MultiModalPrompt
 from quantkit.engine.sampler import Sampler
 from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import Sequence
 
-Prompt = Union[str, Seq[int], Seq[dict]]
+Prompt = Union[str, Seq[int], Seq[dict], MultiModalPrompt]
 
 
 @dataclass
@@ -103,6 +104,9 @@ class Engine:
             config = dataclasses.replace(config, kv_stats=str(stats_file_for(path, config.kv_stats)))
         dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
         model, tokenizer, generation_config = load_decoder(path, config.device, dtype)
+        from quantkit.engine.vision import load_vision
+
+        self.vision = load_vision(path, model.device, model.dtype)  # a LLaVA checkpoint's image half, else None
         self._start(model, tokenizer, generation_config, config)
 
     @classmethod
@@ -110,6 +114,7 @@ class Engine:
                    generation_config: Any = None) -> "Engine":
         """An engine over a DecoderModel already built (the benchmarks' random-weight models)."""
         engine = cls.__new__(cls)
+        engine.vision = None
         engine._start(model, tokenizer, generation_config, config or EngineConfig())
         return engine
 
@@ -135,7 +140,9 @@ class Engine:
         """Queue a request (a string, token ids, or chat messages); returns its id."""
         eos = getattr(self.tokenizer, "eos_token_id", None)
         params = (params or SamplingParams()).with_defaults(self.generation_config, eos)
-        token_ids = encode_prompt(self.tokenizer, prompt)
+        prompt = self.multimodal_prompt(prompt)
+        images = prompt.images if isinstance(prompt, MultiModalPrompt) else None
+        token_ids = prompt.token_ids if isinstance(prompt, MultiModalPrompt) else encode_prompt(self.tokenizer, prompt)
         if not token_ids:
             raise UserError("the prompt is empty: give at least one token")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -143,10 +150,27 @@ class Engine:
             if request_id in self._requests:
                 raise UserError(f"request id {request_id!r} is already running: give each request its own id")
             seq = Sequence(token_ids, params, request_id)
+            seq.images = images
             self.scheduler.add(seq)  # refuses a prompt the pool or max_model_len cannot hold
             detok = IncrementalDetokenizer(self.tokenizer, seq) if self.tokenizer is not None else None
             self._requests[request_id] = _Request(seq, detok)
         return request_id
+
+    def multimodal_prompt(self, prompt: Prompt) -> Prompt:
+        """Chat messages through the checkpoint's processor when it takes images (a `MultiModalPrompt`:
+        placeholders expanded, image features computed); other prompts as they are. Images sent to a
+        model without a vision tower are a UserError."""
+        from quantkit.engine.vision import NoImagesError, has_images
+
+        if isinstance(prompt, MultiModalPrompt):
+            return prompt
+        if self.vision is None:
+            if has_images(prompt):
+                raise NoImagesError("this model takes no images (it has no vision tower): send text only")
+            return prompt
+        if prompt and not isinstance(prompt, str) and isinstance(list(prompt)[0], dict):
+            return self.vision.encode(list(prompt))
+        return prompt
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its blocks are freed at once. Unknown or finished ids are ignored."""
@@ -218,7 +242,7 @@ class Engine:
                  progress: bool = True) -> list[RequestOutput]:
         """Every prompt to its end, all fed through the scheduler at once; one final RequestOutput each
         (the whole text and token ids), in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        if isinstance(prompts, (str, MultiModalPrompt)) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids: list[str] = []

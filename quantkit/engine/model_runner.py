@@ -18,6 +18,7 @@ import torch
 from quantkit.config import UserError
 from quantkit.engine.attention import AttnMetadata, set_metadata
 from quantkit.engine.kv_scales import pool_static_scales
+from quantkit.engine.multimodal import step_embeds
 from quantkit.kernels.capture import graph_warmup
 from quantkit.kernels.paged_kv import PagedKV
 
@@ -36,6 +37,8 @@ class StepInputs:
     meta: AttnMetadata
     sample_rows: torch.Tensor  # [N] int64, row in the flat batch of each sampled sequence's last token
     sampled: list             # the sequences that get a token this step, in `sample_rows` order
+    # (rows, embeddings) replacing the token embeddings of image placeholders (multimodal.step_embeds)
+    input_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -166,19 +169,25 @@ class ModelRunner:
             if nd:
                 meta.num_decode = nd
                 meta.prefill = (meta.block_tables[nd:], meta.context_lens[nd:], meta.query_start[nd:] - nd)
-        return StepInputs(ids_d, pos_d, meta, rows_d, sampled)
+        return StepInputs(ids_d, pos_d, meta, rows_d, sampled, step_embeds(batch, self.device))
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        if step.input_embeds is None:
+            return self.model(step.input_ids, step.positions)
+        return self.model(step.input_ids, step.positions, input_embeds=step.input_embeds)
 
     @torch.no_grad()
     def run(self, batch) -> tuple[Optional[torch.Tensor], list]:
         """Forward one scheduled batch: (float32 logits [N, vocab] of the sequences that get a token this
         step, those sequences). Logits are None when no sequence samples (only partial prompt chunks)."""
         step = self.prepare(batch)
-        bucket = self._bucket(len(step.sampled)) if step.meta.is_decode and len(step.sampled) == len(batch) else None
+        graphable = step.meta.is_decode and len(step.sampled) == len(batch) and step.input_embeds is None
+        bucket = self._bucket(len(step.sampled)) if graphable else None
         if bucket is not None:
             logits = self._replay(step, bucket)
         else:
             set_metadata(step.meta)
-            hidden = self.model(step.input_ids, step.positions)
+            hidden = self._forward(step)
             set_metadata(None)
             logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sampled else None
         return logits, step.sampled
@@ -190,7 +199,7 @@ class ModelRunner:
         step = self.prepare(batch)
         set_metadata(step.meta)
         try:
-            hidden = self.model(step.input_ids, step.positions)
+            hidden = self._forward(step)
         finally:
             set_metadata(None)
         return self.model.compute_logits(hidden)

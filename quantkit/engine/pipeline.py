@@ -4,9 +4,12 @@
     pipe(["Hi, pls intro yourself", "上海是"])          → [Response, Response]
     pipe([[{"role": "system", ...}, {"role": "user", ...}]])  (chat messages, multi-turn)
     for r in pipe.stream("上海是"): print(r.text, end="")
+    pipe(("describe this image", quantkit.load_image("tiger.jpeg")))   (a LLaVA checkpoint)
 
 A string prompt goes through the tokenizer's chat template as one user turn when the tokenizer has a
 template (`chat_template=False` feeds it raw); any number of prompts go through the scheduler together.
+A (text, image) or (text, [images]) tuple is one user turn with its images, for checkpoints that take
+images (their processor's chat template places them).
 """
 
 from __future__ import annotations
@@ -56,10 +59,16 @@ class Pipeline:
     def __init__(self, engine: Engine, chat_template: Optional[bool] = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        vision = getattr(engine, "vision", None)  # a LLaVA processor may hold the template its tokenizer lacks
+        has_template = bool(getattr(self.tokenizer, "chat_template", None) or (vision and vision.chat_template))
         self.use_chat = has_template if chat_template is None else chat_template
 
-    def _prompt(self, prompt: Prompt) -> Prompt:
+    def _prompt(self, prompt: Union[Prompt, tuple]) -> Prompt:
+        if is_image_prompt(prompt):  # lmdeploy's (text, image or [images]): one user turn, images first
+            text, images = prompt
+            images = list(images) if isinstance(images, (list, tuple)) else [images]
+            return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                                 {"type": "text", "text": text}]}]
         if isinstance(prompt, str) and self.use_chat:
             return [{"role": "user", "content": prompt}]
         return prompt
@@ -69,7 +78,7 @@ class Pipeline:
         """Answers for one prompt or a list of them (strings, token-id lists, or message lists); a
         progress bar counts finished requests when there are several."""
         sp = sampling_params(params, settings)
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        if isinstance(prompts, str) or is_image_prompt(prompts) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         outputs = self.engine.generate([self._prompt(p) for p in prompts], sp, progress=progress)
         return [Response.from_output(o) for o in outputs]
@@ -79,6 +88,11 @@ class Pipeline:
         """One prompt's answer as it comes: each Response holds the new text and token ids."""
         for out in self.engine.stream(self._prompt(prompt), sampling_params(params, settings)):
             yield Response.from_output(out)
+
+
+def is_image_prompt(prompt: Any) -> bool:
+    """Whether `prompt` is lmdeploy's image prompt: a (text, image) or (text, [images]) tuple."""
+    return isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[0], str) and not isinstance(prompt[1], str)
 
 
 def pipeline(path: Union[str, Path], config: Optional[EngineConfig] = None, chat_template: Optional[bool] = None,
