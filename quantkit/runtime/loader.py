@@ -86,6 +86,17 @@ def _replace_linears(model: torch.nn.Module, sd: dict[str, torch.Tensor], qc: di
     return count
 
 
+def _transformers_names(config: Any):
+    """The registry's renaming of a family's checkpoint names to its transformers class's module names
+    (LLaVA's llava-hf layout), or None when the names are the module names."""
+    from quantkit.models.registry import UnsupportedArchitecture, spec_for_config
+
+    try:
+        return spec_for_config(config).extra.get("transformers_state_dict")
+    except UnsupportedArchitecture:
+        return None
+
+
 def load(
     path: str | Path,
     device: Optional[str | torch.device] = None,
@@ -113,8 +124,15 @@ def load(
     sd = read_safetensors(path)
     # vLLM's fp8 KV scales (compressed-tensors kv_cache_scheme); this runtime reads quantkit/kv_stats.safetensors.
     sd = {k: v for k, v in sd.items() if k.rpartition(".")[2] not in KV_SCALE_NAMES}
+    to_transformers = _transformers_names(config)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if to_transformers is None:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:  # a multimodal export in its source layout (LLaVA): transformers' own class, renamed tensors
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+            sd = to_transformers(sd, set(model.state_dict()))
     n = _replace_linears(model, sd, qc)
     sd = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(("scales", "weight_scale")) else v) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
