@@ -1,15 +1,17 @@
 """A small scripted OpenAI-compatible server for the client tests (the page, webui's proxy, api-client).
 
 It records every request, streams its answer one word per chunk with a pause between chunks (so that a
-test can tell streaming from an answer sent at once), and notes the streams its client cut off.
+test can tell streaming from an answer sent at once), and notes the streams its client cut off (at once,
+also during a pause, as uvicorn does).
 Loopback only, port chosen by the OS; a thread per connection.
 """
 
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
@@ -99,10 +101,16 @@ class FakeOpenAI:
                     return {"id": f"chatcmpl-{index}", "object": "chat.completion.chunk", "model": fake.model,
                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
+                def pause() -> None:
+                    """Wait `delay` seconds, noticing at once a client that leaves (as uvicorn does)."""
+                    readable, _, _ = select.select([self.connection], [], [], fake.delay)
+                    if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                        raise ConnectionResetError("the client left")
+
                 try:
                     event(chunk({"role": "assistant", "content": ""}))
                     for word in fake.words:
-                        time.sleep(fake.delay)
+                        pause()
                         event(chunk({"content": word}))
                     event(chunk({}, "stop"))
                     if (body.get("stream_options") or {}).get("include_usage"):

@@ -118,6 +118,21 @@ def test_browser_leaving_aborts_the_upstream_request():
     assert gone < 1.0
 
 
+def test_browser_leaving_a_silent_upstream_aborts_it_at_once():
+    """The upstream says nothing for 3 s (a long prompt): the browser's leaving is seen anyway, by the
+    watcher of its socket, not at the next chunk."""
+    with FakeOpenAI(words=["late"], delay=3.0) as fake, running_webui(fake.url) as server:
+        response = request(server, "POST", "/v1/chat/completions", CHAT)
+        assert b"data:" in response.read1(65536)  # the first (role) chunk
+        left = time.monotonic()
+        response.close()
+        while not fake.aborted and time.monotonic() - left < 4.0:
+            time.sleep(0.02)
+        gone = time.monotonic() - left
+        assert fake.aborted == [0] and not fake.finished
+    assert gone < 1.0
+
+
 def test_port_in_use_is_one_line_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
