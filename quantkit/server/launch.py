@@ -91,8 +91,9 @@ def serve(config: ServeConfig) -> None:
     except ImportError as exc:
         raise UserError(f"quantkit serve needs the serve extra ({exc.name} is missing): "
                         "pip install 'quantkit[serve]'") from None
-    from quantkit.server.model_source import load_engine
+    from quantkit.server.model_source import check_model_arg, load_engine
 
+    check_model_arg(config.model)
     sock = bind(config.host, config.port)
     url = url_of(sock)
     print(f"quantkit serve: loading {config.model}; will answer at {url}", flush=True)

@@ -33,6 +33,16 @@ def parse_random_spec(model: str) -> Optional[tuple[str, str]]:
     return parts[0], parts[1]
 
 
+def check_model_arg(model: str) -> Optional[tuple[str, str]]:
+    """Refuse a MODEL that is neither a path that exists nor a valid random spec (before any loading);
+    the random spec's (shape, weights) or None."""
+    spec = parse_random_spec(model)
+    if spec is None and not Path(model).exists():
+        raise UserError(f"model {model!r} not found: give an HF model directory, a quantkit export or "
+                        "random:SHAPE:WEIGHTS")
+    return spec
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte-level BPE alphabet: each byte as one printable character (printable ASCII and Latin-1
     map to themselves, the rest to characters from U+0100 on), as byte-level decoders expect."""
@@ -74,16 +84,13 @@ def byte_tokenizer(vocab_size: int):
 def load_engine(model: str, config: Any, tokenizer: Optional[str] = None):
     """An Engine over MODEL (a directory or `random:SHAPE:WEIGHTS`) with EngineConfig `config`;
     `tokenizer`, a directory, replaces the model's own tokenizer (or the random model's byte one)."""
+    spec = check_model_arg(model)
     import torch
 
     from quantkit.engine import Engine
 
-    spec = parse_random_spec(model)
     tok = _load_tokenizer_dir(tokenizer) if tokenizer else None
     if spec is None:
-        if not Path(model).exists():
-            raise UserError(f"model {model!r} not found: give an HF model directory, a quantkit export or "
-                            "random:SHAPE:WEIGHTS")
         engine = Engine(model, config)
         if tok is not None:
             engine.tokenizer = tok
