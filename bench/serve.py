@@ -102,6 +102,11 @@ def write_random_hf(shape: str, out: Path) -> Path:
     byte_tokenizer(shape_config(shape).vocab_size).save_pretrained(str(tok_dir))
     print(f"writing a random {shape} fp16 checkpoint to {out}", flush=True)
     write(shape, out, tok_dir, "cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():  # give the weights' memory back before a server wants it
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
     for name in ("config.json", "generation_config.json"):  # no EOS: answers run to max_tokens
         p = out / name
         cfg = json.loads(p.read_text())

@@ -36,7 +36,7 @@ from quantkit.server import bench_client as client
 from quantkit.server.bench_dataset import WORDS, Prompt, exact_prompts, load_jsonl, load_tokenizer, random_prompts, take
 
 DEFAULT_CONCURRENCY = (1, 4, 8, 16, 64, 128)
-CHUNK = 32  # words per probe request of fit_words
+MAX_PROBES = 40  # requests of fit_words, at most
 
 
 def default_num_prompts(concurrency: int) -> int:
@@ -213,21 +213,25 @@ class _Bench:
         """Words per random prompt so that the server counts `input_len` prompt tokens on average.
 
         Random prompts draw words uniformly from WORDS, so the mean tokens per word is that of the whole
-        list: the list is sent in chunks of CHUNK words (short requests, max_tokens 2), and the fixed part
-        of a prompt (chat template, BOS) comes from the first two chunks alone and joined."""
+        list: the list is sent in chunks (short requests, max_tokens 2) of about input_len / 3 tokens each
+        (so that two joined fit where the benchmark's prompts fit; at most MAX_PROBES chunks), and the fixed
+        part of a prompt (chat template, BOS) comes from the first two chunks alone and joined."""
         rng = random.Random(self.cfg.seed + 10_000)
         words = list(WORDS)
         rng.shuffle(words)
-        chunks = [words[i:i + CHUNK] for i in range(0, len(words), CHUNK)]
 
         async def count(ws: list[str]) -> Optional[int]:
             return (await self.probe(Prompt(output_len=2, prompt=" ".join(ws)))).prompt_tokens
 
-        counts = [await count(chunks[0]), await count(chunks[1]), await count(chunks[0] + chunks[1])]
-        if None in counts:
+        first = max(1, min(32, input_len // 8))
+        rough = await count(words[:first])
+        if rough is None:
             self.notes.append("the server reports no prompt_tokens: random prompts have --input-len words, "
                               "input token counts are unknown")
             return input_len
+        size = max(1, min(64, round(input_len / 3 / (rough / first))), -(-len(words) // MAX_PROBES))
+        chunks = [words[i:i + size] for i in range(0, len(words), size)]
+        counts = [await count(chunks[0]), await count(chunks[1]), await count(chunks[0] + chunks[1])]
         fixed = counts[0] + counts[1] - counts[2]
         total = counts[0] + counts[1] - 2 * fixed + sum([await count(c) - fixed for c in chunks[2:]])
         return max(1, round((input_len - fixed) / (total / len(words))))

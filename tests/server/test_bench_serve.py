@@ -288,3 +288,21 @@ def test_cli_bad_input_is_one_line(server, tmp_path, monkeypatch, capsys, args, 
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and needle in lines[0], err
     assert not (tmp_path / "bench_serve.json").exists()
+
+
+def test_against_quantkit_serve(qk_server, chat_model_dir):
+    """The real server (the suite's shared `quantkit serve` subprocess on a tiny chat model): every
+    request completes with exactly output_len tokens (ignore_eos honoured), counted from usage; the
+    random prompts are fitted to about input_len tokens, or to exactly input_len with --tokenizer."""
+    fitted = bench_serve(BenchServeConfig(url=qk_server.url, concurrency=(1, 4), num_prompts=8, input_len=48,
+                                          output_len=8), progress=False)
+    exact = bench_serve(BenchServeConfig(url=qk_server.url, concurrency=(4,), num_prompts=4, input_len=48,
+                                         output_len=8, tokenizer=str(chat_model_dir)), progress=False)
+    assert fitted.settings["ignore_eos_sent"] is True
+    for row in fitted.rows + exact.rows:
+        assert (row["completed"], row["failed"]) == (row["requests"], 0), row["errors"]
+        assert row["mean_output_tokens"] == 8 and row["output_tokens_from"] == "usage"
+        assert row["input_tokens_from"] == "usage"
+        assert 0 < row["mean_ttft_ms"] <= row["latency_s"] * 1e3 and row["mean_tpot_ms"] > 0
+    assert all(40 <= row["mean_input_tokens"] <= 56 for row in fitted.rows)
+    assert exact.rows[0]["mean_input_tokens"] == 48
