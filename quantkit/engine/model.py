@@ -104,10 +104,17 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, spec, self.rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                input_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         seq_lens = get_metadata().token_seq_lens() if self.rotary_emb.dynamic else None
         rope_rows = self.rotary_emb.rows(positions, seq_lens)
-        hidden, residual = self.embed_tokens(input_ids), None
+        if input_embeds is None:
+            hidden = self.embed_tokens(input_ids)
+        else:  # (rows [R], embeddings [R, hidden]) in place of those tokens' (an image's features)
+            rows, values = input_embeds
+            hidden = self.embed_tokens(input_ids.index_fill(0, rows, 0))  # a placeholder id may lie past the vocabulary
+            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope_rows)
         return self.norm(hidden, residual)[0]
@@ -115,7 +122,8 @@ class Decoder(nn.Module):
 
 class DecoderModel(nn.Module):
     """forward(input_ids [T], positions [T]) → hidden [T, hidden] for the step described by the
-    attention metadata; compute_logits(hidden [N, hidden]) → float32 [N, vocab]."""
+    attention metadata (`input_embeds` = (rows, embeddings) replaces the embeddings of those rows' tokens:
+    an image's features at its placeholder tokens); compute_logits(hidden [N, hidden]) → float32 [N, vocab]."""
 
     def __init__(self, config: Any, max_positions: Optional[int] = None) -> None:
         super().__init__()
@@ -133,8 +141,9 @@ class DecoderModel(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                input_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        return self.model(input_ids, positions, input_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

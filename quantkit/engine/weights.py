@@ -53,12 +53,17 @@ def open_checkpoint(path: Path) -> Checkpoint:
     spec = spec_for_config(cfg)  # an unsupported architecture fails here, with the list of supported ones
     if spec.conversion is not None:  # InternLM2, ...: run in another family's layout, converted per block
         conversion = spec.conversion
-        if cfg.get("quantization_config"):
+        quant = cfg.get("quantization_config")
+        if quant and conversion.export_layout is None:
             raise ModelLoadError(f"{path}: a quantized {spec.name} checkpoint in its original layout is not "
                                  "supported; quantize the full-precision one with quantkit (its export is converted)")
+        # A family exported in its source layout (LLaVA) converts by renaming: its packed tensors read alike.
+        problem = layout_problem(quant) if quant else None
+        if problem:
+            raise ModelLoadError(f"{path}: {problem}")
         return Checkpoint(path, conversion.config(cfg), lazy.TensorReader(path),
                           convert=lambda sd: conversion.state_dict(sd, cfg),
-                          layer_pattern=_layer_pattern(conversion.source_layers_path), spec=spec)
+                          layer_pattern=_layer_pattern(conversion.source_layers_path), spec=spec, quant=quant)
     quant = cfg.get("quantization_config")
     problem = layout_problem(quant) if quant else None
     if problem:

@@ -1,6 +1,7 @@
 """Architecture registry and model loading."""
 
 from quantkit.models import internlm2, llama_family  # noqa: F401  (register the families)
+from quantkit.models import llava  # noqa: F401
 from quantkit.models.registry import (
     ArchSpec,
     ScaleGroup,

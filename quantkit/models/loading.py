@@ -42,6 +42,8 @@ class LoadedModel:
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    # a multimodal model's processor (LLaVA): image preprocessing, the prompt's image tokens, its chat template
+    "preprocessor_config.json", "processor_config.json", "chat_template.json",
 )
 
 

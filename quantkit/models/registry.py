@@ -33,6 +33,20 @@ class ScaleGroup:
 
 
 @dataclass(frozen=True)
+class SourceLayout:
+    """An export written in the source checkpoint's own layout rather than the converted one (LLaVA: the
+    language model quantized inside the multimodal checkpoint, its other parts copied as they are), so
+    that the readers of the source read the export. `name` maps a converted tensor name back to the
+    source's, `passthrough` picks the source tensors copied byte for byte, `config(source config.json,
+    quantization_config)` gives the export's config.json. Its `Conversion.state_dict` only renames, so
+    the engine reads such exports (packed tensors included) through it."""
+
+    name: Callable[[str], str]
+    passthrough: Callable[[str], bool]
+    config: Callable[[dict, dict], dict]
+
+
+@dataclass(frozen=True)
 class Conversion:
     """How a family whose modeling code ships as remote code runs in another family's layout.
 
@@ -48,6 +62,8 @@ class Conversion:
     # The prefix of its decoder blocks' tensor names (followed by ".N."), in the source checkpoint.
     source_layers_path: str = "model.layers"
     tokenizer: Optional[Callable[[Path], Any]] = None
+    # Set when the export keeps the source layout (else it is written in the converted one).
+    export_layout: Optional[SourceLayout] = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -11,8 +11,9 @@ from quantkit.config import QuantizeConfig
 from quantkit.formats import awq_gemm, compressed_tensors
 from quantkit.formats.checkpoint import write_checkpoint
 from quantkit.formats.kv_stats import FILE_NAME as KV_STATS_FILE
-from quantkit.models.loading import LoadedModel
-from quantkit.models.registry import ArchSpec
+from quantkit.models.lazy import TensorReader
+from quantkit.models.loading import LoadedModel, read_config_json
+from quantkit.models.registry import ArchSpec, SourceLayout
 from quantkit.quantize.primitives import QuantizedWeight
 
 ExtraFiles = dict[str, dict[str, torch.Tensor]]
@@ -101,7 +102,24 @@ def export_config(loaded: LoadedModel, config: QuantizeConfig, kv_cache_scheme: 
         cfg["quantization_config"] = compressed_tensors.quantization_config(w.bits, w.group_size, w.symmetric, keep)
         if kv_cache_scheme:
             cfg["quantization_config"]["kv_cache_scheme"] = compressed_tensors.kv_cache_scheme()
+    layout = source_layout(loaded)
+    if layout is not None:  # the source's config.json, with this quantization_config
+        return layout.config(read_config_json(Path(loaded.source)), cfg["quantization_config"])
     return cfg
+
+
+def source_layout(loaded: LoadedModel) -> Optional[SourceLayout]:
+    """How an export of `loaded` is written in its source's layout (LLaVA), or None for the usual export."""
+    conversion = loaded.spec.conversion
+    return conversion.export_layout if conversion is not None else None
+
+
+def source_tensors(loaded: LoadedModel, layout: SourceLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source tensors an export in the source layout copies as they are (LLaVA's vision tower), one at a time."""
+    reader = TensorReader(Path(loaded.source))
+    for name in reader.names():
+        if layout.passthrough(name):
+            yield name, reader.read([name])[name]
 
 
 def vllm_kv_scales(model: torch.nn.Module, config: QuantizeConfig, kv_stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -129,16 +147,21 @@ def write_export(
     extra: ExtraFiles = {}
     cfg = export_config(loaded, config)
 
+    layout = source_layout(loaded)
+    rename = layout.name if layout is not None else (lambda name: name)
+
     def checked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in (tensors.items() if isinstance(tensors, Mapping) else tensors):
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise ValueError(f"refusing to write a checkpoint with NaN or Inf values (in {name})")
-            yield name, t
+            yield rename(name), t
         extra.update((extra_tensor_files() if callable(extra_tensor_files) else extra_tensor_files) or {})
         kv_scales = vllm_kv_scales(loaded.model, config, extra.get(KV_STATS_FILE))
         if kv_scales:  # config.json is serialised after the tensors are consumed
             cfg.update(export_config(loaded, config, kv_cache_scheme=True))
-        yield from kv_scales.items()
+        yield from ((rename(name), t) for name, t in kv_scales.items())
+        if layout is not None:
+            yield from source_tensors(loaded, layout)
 
     writers = []
     if loaded.tokenizer_files:
