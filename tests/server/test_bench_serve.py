@@ -12,18 +12,16 @@ import asyncio
 import json
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
+from aiohttp import web
 
-from quantkit.cli import main  # noqa: E402
-from quantkit.config import UserError  # noqa: E402
-from quantkit.server.bench_dataset import load_jsonl  # noqa: E402
-from quantkit.server.bench_report import markdown_table, write_report  # noqa: E402
-from quantkit.server.bench_serve import BenchServeConfig, bench_serve  # noqa: E402
+from quantkit.cli import main
+from quantkit.config import UserError
+from quantkit.server.bench_dataset import load_jsonl
+from quantkit.server.bench_report import markdown_table, write_report
+from quantkit.server.bench_serve import BenchServeConfig, bench_serve
 
 TTFT, ITL, FIXED = 0.10, 0.04, 5
 
@@ -189,6 +187,16 @@ def test_a_level_where_all_fail_still_has_a_row(server, tmp_path):
     assert "concurrency 4: 4 of 4 failed: HTTP 500: boom" in paths["md"].read_text()
 
 
+def test_without_matplotlib_only_the_plot_is_skipped(server, tmp_path, monkeypatch, capsys):
+    result = run(server, model="fake-7b", concurrency=(1,), num_prompts=1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    paths = write_report([result], tmp_path)
+    assert paths["png"] is None and not (tmp_path / "bench_serve.png").exists()
+    assert paths["md"].exists() and paths["json"].exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["matplotlib is not installed: no plot written (pip install matplotlib)"]
+
+
 def test_timeout_counts_as_failure(server):
     row = run(server, model="slow", concurrency=(2,), num_prompts=2, timeout=0.5).rows[0]
     assert row["errors"] == {"timeout after 0.5s": 2}
@@ -255,7 +263,6 @@ def test_cli_writes_markdown_json_and_plot(server, tmp_path, monkeypatch, capsys
     rows = data["runs"][0]["rows"]
     assert [r["concurrency"] for r in rows] == [1, 2] and all(r["completed"] == 2 for r in rows)
     assert data["runs"][0]["label"] == "fake"
-    pytest.importorskip("matplotlib")
     png = out / "bench_serve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # An earlier run beside a new one: one table with a Server column.
