@@ -1,0 +1,131 @@
+"""EngineLoop over a scripted engine: requests batched into shared steps run back to back, aborts reach the
+engine between steps, a refused request and a failing step become EngineFailures for their requests;
+and the random-weight models `quantkit serve random:SHAPE:WEIGHTS` builds, with their byte tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from quantkit.config import UserError
+from quantkit.engine.llm_engine import RequestOutput, Usage
+from quantkit.server.engine_loop import EngineFailure, EngineLoop
+
+
+class ScriptedEngine:
+    """Each request asks for `params` tokens; every step gives each unfinished request one."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+        self.steps = 0
+        self.batch_sizes: list[int] = []
+        self.fail = False
+
+    def add_request(self, token_ids, params, request_id):
+        if not token_ids:
+            raise UserError("the prompt is empty")
+        self.left[request_id] = params
+
+    def abort(self, request_id):
+        self.left.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.left)
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("device lost")
+        self.steps += 1
+        self.batch_sizes.append(len(self.left))
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            if done:
+                del self.left[rid]
+            outs.append(RequestOutput(rid, "x", [7], done, "length" if done else None, Usage(1, 1)))
+        return outs
+
+
+async def _collect(queue: asyncio.Queue, timeout: float = 10.0) -> list:
+    got = []
+    while not got or not got[-1].finished:
+        got.append(await asyncio.wait_for(queue.get(), timeout))
+    return got
+
+
+def test_requests_share_steps_that_run_back_to_back():
+    engine = ScriptedEngine()
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        queues = [asyncio.Queue() for _ in range(3)]
+        for i, q in enumerate(queues):
+            loop.add(f"r{i}", [1, 2], 20, q.put_nowait)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_collect(q) for q in queues))
+        elapsed = time.perf_counter() - start
+        assert loop.num_in_flight == 0
+        await loop.stop()
+        return results, elapsed
+
+    results, elapsed = asyncio.run(run())
+    assert [len(r) for r in results] == [20, 20, 20] and all(r[-1].finish_reason == "length" for r in results)
+    # Added together, the three ride the same 20 steps (the first step may have taken one or two).
+    assert 20 <= engine.steps <= 22 and max(engine.batch_sizes) == 3
+    assert elapsed < 5
+
+
+def test_abort_reaches_the_engine_and_failures_reach_the_requests():
+    engine = ScriptedEngine()
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        long_q: asyncio.Queue = asyncio.Queue()
+        loop.add("long", [1], 10**9, long_q.put_nowait)
+        await asyncio.wait_for(long_q.get(), 10)
+        loop.abort("long")
+        for _ in range(100):                      # bounded wait for the engine thread to apply it
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.has_unfinished_requests() and loop.num_in_flight == 0
+        refused: asyncio.Queue = asyncio.Queue()
+        loop.add("empty", [], 3, refused.put_nowait)
+        failure = await asyncio.wait_for(refused.get(), 10)
+        assert isinstance(failure, EngineFailure) and failure.user_error and "empty" in failure.message
+        assert loop.alive
+        engine.fail = True
+        broken: asyncio.Queue = asyncio.Queue()
+        loop.add("doomed", [1], 3, broken.put_nowait)
+        failure = await asyncio.wait_for(broken.get(), 10)
+        assert isinstance(failure, EngineFailure) and not failure.user_error and "device lost" in failure.message
+        assert not loop.alive and "device lost" in loop.error
+        later: asyncio.Queue = asyncio.Queue()   # once failed, the engine is not stepped again
+        loop.add("later", [1], 3, later.put_nowait)
+        assert "failed earlier" in (await asyncio.wait_for(later.get(), 10)).message
+        await loop.stop()
+
+    asyncio.run(run())
+
+
+def test_random_model_with_byte_tokenizer():
+    from quantkit.engine import EngineConfig, SamplingParams
+    from quantkit.server.model_source import byte_tokenizer, load_engine
+
+    tok = byte_tokenizer(512)
+    text = "héllo, the cache"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text.encode()) and tok.decode(ids) == text
+    assert tok.decode([300, 2, 301], skip_special_tokens=True) == " w300 w301"
+    with pytest.raises(UserError):
+        byte_tokenizer(100)
+    engine = load_engine("random:tiny:w4", EngineConfig(device="cpu", num_kv_tokens=512))
+    assert engine.tokenizer.eos_token_id == 2 and len(engine.tokenizer) == engine.model.config.vocab_size
+    out = engine.generate([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=5, temperature=0,
+                                                                             ignore_eos=True), progress=False)[0]
+    assert len(out.token_ids) == 5 and out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
