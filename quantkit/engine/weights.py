@@ -90,8 +90,13 @@ def generation_config(ckpt: Checkpoint):
     from transformers import GenerationConfig
 
     if (ckpt.directory / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(str(ckpt.directory))
-    return GenerationConfig.from_model_config(ckpt.config)
+        gen = GenerationConfig.from_pretrained(str(ckpt.directory))
+    else:
+        gen = GenerationConfig.from_model_config(ckpt.config)
+    conversion = ckpt.spec.conversion if ckpt.spec is not None else None
+    if conversion is not None and conversion.generation is not None:
+        gen = conversion.generation(gen, ckpt.directory)
+    return gen
 
 
 def _fuse_quant(parts: list[dict[str, torch.Tensor]], bits: int, dtype: torch.dtype) -> QuantLinear:

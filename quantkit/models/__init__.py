@@ -2,6 +2,8 @@
 
 from quantkit.models import internlm2, llama_family  # noqa: F401  (register the families)
 from quantkit.models import llava  # noqa: F401
+from quantkit.models import qwen  # noqa: F401
+from quantkit.models import baichuan  # noqa: F401
 from quantkit.models.registry import (
     ArchSpec,
     ScaleGroup,

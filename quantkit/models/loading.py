@@ -105,10 +105,13 @@ def _load_lazy(path: Path, cfg: dict[str, Any], spec: ArchSpec, dtype: torch.dty
     else:
         config, convert = AutoConfig.from_pretrained(str(path)), None
     try:
-        return lazy.build_lazy_model(config, lazy.TensorReader(path), spec.layers_path, dtype, convert, path,
-                                     source_layers_path=source_prefix)
+        model, blocks = lazy.build_lazy_model(config, lazy.TensorReader(path), spec.layers_path, dtype, convert, path,
+                                              source_layers_path=source_prefix)
     except lazy.WeightsMismatch as exc:
         raise ModelLoadError(str(exc)) from None
+    if spec.conversion is not None and spec.conversion.generation is not None:
+        model.generation_config = spec.conversion.generation(model.generation_config, path)
+    return model, blocks
 
 
 def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.float16, lazy_blocks: bool = False) -> LoadedModel:

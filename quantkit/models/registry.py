@@ -55,6 +55,8 @@ class Conversion:
     (one decoder block at a time, or the tensors outside the blocks) into the target's names, and
     `tokenizer`, when given, builds a fast tokenizer from the checkpoint's files (else the generic
     sentencepiece conversion of `models/tokenizer_convert.py` applies when its tokenizer is remote code).
+    `generation`, when given, adjusts the GenerationConfig read from the checkpoint directory (stop tokens
+    that its remote chat code knows but its generation_config.json lacks, e.g. Qwen's <|im_end|>).
     """
 
     config: Callable[[dict], Any]
@@ -64,6 +66,7 @@ class Conversion:
     tokenizer: Optional[Callable[[Path], Any]] = None
     # Set when the export keeps the source layout (else it is written in the converted one).
     export_layout: Optional[SourceLayout] = None
+    generation: Optional[Callable[[Any, Path], Any]] = None
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ def export_config(loaded: LoadedModel, config: QuantizeConfig, kv_cache_scheme: 
     cfg.pop("_name_or_path", None)
     if loaded.spec.export_architecture:
         cfg["architectures"] = [loaded.spec.export_architecture]
-        cfg["model_type"] = "llama"
+        # The converted config's own model_type ("llama" for InternLM2, "qwen2" for Qwen v1).
+        cfg["model_type"] = getattr(loaded.model.config, "model_type", None) or "llama"
         cfg.pop("auto_map", None)
     elif not cfg.get("architectures"):
         # A model read from a .gguf has none; vLLM and transformers pick the model class from it.
