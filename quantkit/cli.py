@@ -314,6 +314,55 @@ def chat(
              SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k), system)
 
 
+# --- clients of any OpenAI-compatible server: `quantkit webui`, `quantkit api-client` ---
+
+SERVER_URL = typer.Argument(..., help="The server's address, e.g. http://127.0.0.1:23333 (quantkit serve, "
+                            "lmdeploy, vLLM or any OpenAI-compatible server; a trailing /v1 is fine).",
+                            show_default=False)
+CLIENT_API_KEY = typer.Option(None, "--api-key", help="Sent to the server as 'Authorization: Bearer KEY'.")
+
+
+@app.command()
+def webui(
+    url: str = SERVER_URL,
+    port: int = typer.Option(6006, "--port", help="Port of the chat page."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the page listens on (0.0.0.0: every "
+                             "interface, so other machines can open it)."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Sent to the server as 'Authorization: Bearer "
+                                       "KEY' on every request (the browser never sees it)."),
+) -> None:
+    """Serve quantkit's chat page against a running server: the page at /, /v1/* forwarded to URL."""
+    from quantkit.server.webui import WebUIConfig
+    from quantkit.server.webui import webui as run_webui
+
+    run_webui(WebUIConfig(url=url, host=host, port=port, api_key=api_key))
+
+
+@app.command("api-client")
+def api_client(
+    url: str = SERVER_URL,
+    api_key: str | None = CLIENT_API_KEY,
+    model: str | None = typer.Option(None, "--model", help="Model name to ask for (default: the first that "
+                                     "GET /v1/models lists)."),
+    system: str | None = typer.Option(None, "--system", help="A system prompt for the conversation."),
+    temperature: float | None = typer.Option(None, "--temperature", help="0 means greedy (default: the "
+                                             "server's)."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Most tokens per answer (default: the "
+                                          "server's)."),
+) -> None:
+    """Chat in the terminal with a running server: streamed answers, multi-turn history; 'exit' leaves,
+    'clear' starts over, Ctrl-C stops an answer."""
+    from quantkit.server.api_client import ChatOptions
+    from quantkit.server.api_client import api_client as run_api_client
+
+    if temperature is not None and temperature < 0:
+        raise UserError(f"--temperature must be ≥ 0, not {temperature}")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"--max-tokens must be ≥ 1, not {max_tokens}")
+    run_api_client(url, api_key, ChatOptions(model=model, system=system, temperature=temperature,
+                                             max_tokens=max_tokens))
+
+
 bench_app = typer.Typer(help="Engine speed on random-weight models of real shapes.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 SHAPE = typer.Option("llama2-7b", "--shape", help="llama2-7b, llama3-8b or internlm2-1.8b (random weights).")
