@@ -43,6 +43,9 @@ class MultiModalPrompt:
     token_ids: list[int]
     images: Optional[ImageInputs] = None
 
+    def __len__(self) -> int:  # counts as its token ids where a prompt's length is asked
+        return len(self.token_ids)
+
 
 def pixel_hash(tensors: Iterable[torch.Tensor]) -> int:
     """A 63-bit hash of the tensors' shapes and bytes (the prefix cache's seed for a request's images)."""

@@ -87,7 +87,7 @@ class VisionEncoder:
     def chat_template(self) -> Optional[str]:
         return getattr(self.processor, "chat_template", None)
 
-    def _conversation(self, messages: list[dict]) -> tuple[list[dict], list]:
+    def _conversation(self, messages: list[dict], allow_download: bool) -> tuple[list[dict], list]:
         """Messages with their image parts loaded (in order) and replaced by {"type": "image"} markers."""
         conversation, images = [], []
         for message in messages:
@@ -104,7 +104,7 @@ class VisionEncoder:
                         source = part.get("image_url", part.get("image", part.get("url")))
                         if isinstance(source, dict):
                             source = source.get("url")
-                        images.append(load_image(source))
+                        images.append(load_image(source, allow_download))
                         parts.append({"type": "image"})
                     else:
                         raise UserError(f"unknown content part {part!r}: use {{'type': 'text', 'text': …}} or "
@@ -134,10 +134,11 @@ class VisionEncoder:
         out = self.model.get_image_features(**kwargs, return_dict=True).pooler_output
         return torch.cat(list(out), dim=0)
 
-    def encode(self, messages: list[dict]) -> MultiModalPrompt:
+    def encode(self, messages: list[dict], allow_download: bool = True) -> MultiModalPrompt:
         """Chat messages (content a string or OpenAI-style parts: text, image_url, image) → token ids with the
-        image placeholders expanded, and the features that go there."""
-        conversation, images = self._conversation(messages)
+        image placeholders expanded, and the features that go there. Images are paths, PIL images, data:
+        URLs, or http(s) URLs (downloaded unless `allow_download` is False)."""
+        conversation, images = self._conversation(messages, allow_download)
         text = self._prompt_text(conversation)
         try:
             inputs = self.processor(text=text, images=images or None, return_tensors="pt")

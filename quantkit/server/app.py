@@ -4,7 +4,8 @@
     GET  /health                200 while the engine loop runs, 503 once it failed
     GET  /metrics               Prometheus text (metrics.py)
     GET  /v1/models             the served model
-    POST /v1/chat/completions   chat: the tokenizer's chat template, streamed (SSE) or whole
+    POST /v1/chat/completions   chat: the tokenizer's chat template, streamed (SSE) or whole; image_url parts (a data: URL
+                                or a local path) for a model with a vision tower (LLaVA)
     POST /v1/completions        text or token-id prompts, streamed or whole
 
 The /v1 generation routes take GET with a JSON body too (some clients send that). Bodies are parsed
@@ -13,6 +14,7 @@ here, not by FastAPI, so that every problem is answered in OpenAI's error body.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.resources
 import logging
@@ -141,6 +143,25 @@ class Server:
             raise APIError(400, f"the model's chat template refused these messages: {exc}",
                            param="messages") from None
 
+    def encode_image_messages(self, req: ChatCompletionRequest):
+        """Messages with image_url parts → the engine's MultiModalPrompt (a data: URL or a local file path per
+        image; nothing is downloaded). A model without a vision tower, or an unreadable image: 400."""
+        vision = getattr(self.engine, "vision", None)
+        if vision is None:
+            raise APIError(400, "this model takes no images (it has no vision tower): send text content only",
+                           param="messages", code="unsupported_parameter")
+        messages = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = [{"type": "image_url", "image_url": {"url": _image_url(p.image_url)}}
+                           if p.type == "image_url" else {"type": p.type, "text": p.text or ""} for p in content]
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        try:
+            return vision.encode(messages, allow_download=False)
+        except UserError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
     def encode_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -200,6 +221,20 @@ class Server:
         return JSONResponse(body)
 
 
+def has_image_parts(req: ChatCompletionRequest) -> bool:
+    return any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content) for m in req.messages)
+
+
+def _image_url(value: Any) -> Any:
+    """An image_url part's URL: OpenAI's {"url": …}, or the URL itself as some clients send it."""
+    if isinstance(value, dict):
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        raise APIError(400, "an image_url part needs {\"url\": \"data:image/...;base64,...\"} or a local file path",
+                       param="messages", code="invalid_value")
+    return value
+
+
 def create_app(engine: Any, settings: AppSettings) -> FastAPI:
     """The ASGI app over `engine` (its loop thread starts with the app and stops with it)."""
     from contextlib import asynccontextmanager
@@ -243,7 +278,11 @@ def create_app(engine: Any, settings: AppSettings) -> FastAPI:
         server.check_auth(request)
         req = parse_request(await request.body(), ChatCompletionRequest)
         server.check_model(req.model)
-        return await server.generate("chat", req, [server.encode_messages(req)], request)
+        if has_image_parts(req):  # the vision tower runs beside the event loop, as the engine's steps do
+            prompt = await asyncio.to_thread(server.encode_image_messages, req)
+        else:
+            prompt = server.encode_messages(req)
+        return await server.generate("chat", req, [prompt], request)
 
     async def completions(request: Request) -> Response:
         server.check_auth(request)

@@ -38,6 +38,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: Optional[str] = None
+    image_url: Union[str, dict, None] = None   # {"url": "data:image/png;base64,…" or a local path}
 
 
 class ChatMessage(BaseModel):
