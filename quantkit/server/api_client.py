@@ -134,6 +134,9 @@ class OpenAIClient:
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise ServerError(f"cannot reach {self.upstream.origin}: {_reason(exc)}") from None
+        except BaseException:  # the error answer above, or Ctrl-C while waiting: no socket left open
+            conn.close()
+            raise
         return conn, response
 
     def models(self) -> list[str]:
