@@ -73,13 +73,15 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) ->
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k in place on their first `rotary_dim` channels (transformers' rotate_half layout).
+    """Rotates q and k in place on their first `rotary_dim` channels: channel pairs (i, i + rotary_dim/2)
+    (transformers' rotate_half layout) or, `interleaved`, adjacent pairs (2i, 2i + 1) (Glm, ChatGLM).
 
     `rows(positions, seq_lens)` gives, once per forward, the table and the row of each token that
     every layer's `forward` then reads."""
 
-    def __init__(self, config: Any, max_positions: int) -> None:
+    def __init__(self, config: Any, max_positions: int, interleaved: bool = False) -> None:
         super().__init__()
+        self.interleaved = interleaved
         params = rope_parameters(config)
         self.dynamic = params["rope_type"] == "dynamic"
         inv_freq, scaling, self.rotary_dim = inverse_frequencies(config)
@@ -110,4 +112,4 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
         """q [T, heads, D], k [T, kv_heads, D]; `rows` from `rows()`."""
         table, index = rows
-        fused.apply_rope_(q, k, index, table, self.rotary_dim)
+        fused.apply_rope_(q, k, index, table, self.rotary_dim, self.interleaved)

@@ -153,7 +153,11 @@ def _take(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
 def _load_linear(parent: nn.Module, child: str, full_name: str, tensors: dict, bits: int, dtype, where: Path) -> None:
     base = full_name.rpartition(".")[0]
     sources = [f"{base}.{s}" if base else s for s in FUSED.get(child, (child,))]
-    parts = [_take(tensors, s) for s in sources]
+    # A checkpoint that stores the fused linear itself (Glm's gate_up_proj) is read as one part.
+    whole = _take(tensors, full_name) if child in FUSED else {}
+    if whole:
+        sources = [full_name]
+    parts = [whole] if whole else [_take(tensors, s) for s in sources]
     missing = [s for s, p in zip(sources, parts) if not p]
     if missing:
         raise ModelLoadError(f"{where}: the checkpoint has no tensors for {missing[0]} (is it a complete checkpoint?)")

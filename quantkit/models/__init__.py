@@ -4,6 +4,7 @@ from quantkit.models import internlm2, llama_family  # noqa: F401  (register the
 from quantkit.models import llava  # noqa: F401
 from quantkit.models import qwen  # noqa: F401
 from quantkit.models import baichuan  # noqa: F401
+from quantkit.models import chatglm  # noqa: F401
 from quantkit.models.registry import (
     ArchSpec,
     ScaleGroup,
