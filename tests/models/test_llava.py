@@ -8,7 +8,9 @@ classes, no remote code) on tiny random checkpoints written in the llava-hf layo
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +190,24 @@ def test_quantized_export_keeps_vision_and_loads_in_transformers(checkpoints, tm
                                                           {"type": "text", "text": PROMPT}]}]],
                           SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True), progress=False)
     assert got[0].token_ids == want
+
+
+def test_cli_quantizes_and_chat_answers_on_the_export(checkpoints, tmp_path, monkeypatch):
+    """`quantkit rtn` on the llava-hf checkpoint, then a text chat on the export (the processor's template)."""
+    from quantkit.cli import main
+    from quantkit.engine.chat import run_chat
+
+    out = tmp_path / "w4"
+    monkeypatch.setattr(sys, "argv", ["quantkit", "rtn", str(checkpoints["llava"]), "--work-dir", str(out),
+                                      "--group-size", "32", "--format", "compressed-tensors"])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code in (0, None)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == llava.COMPRESSED_IGNORE
+    engine = _engine(out)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    written = io.StringIO()
+    run_chat(engine, params, stdin=io.StringIO("the model quantizes\nexit\n"), stdout=written)
+    answer = written.getvalue().split(">>> ")[1].strip()
+    want = engine.generate([[{"role": "user", "content": "the model quantizes"}]], params, progress=False)[0].text
+    assert answer and answer == want.strip()
