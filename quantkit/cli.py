@@ -407,6 +407,58 @@ def bench_throughput(
     typer.echo(json.dumps(row, indent=2)) if as_json else print_rows([row])
 
 
+@bench_app.command("serve")
+def bench_serve(
+    url: str = typer.Argument(..., help="The server's address, e.g. http://127.0.0.1:23333 (any OpenAI-compatible "
+                              "server: quantkit serve, vLLM, lmdeploy, transformers serve)."),
+    model: str | None = typer.Option(None, "--model", help="Model name to request (default: the first of "
+                                     "GET /v1/models)."),
+    concurrency: str = typer.Option("1,4,8,16,64,128", "--concurrency", help="Comma-separated levels: at each, "
+                                    "that many clients send requests back to back."),
+    num_prompts: int | None = typer.Option(None, "--num-prompts", help="Requests per level (default: "
+                                           "max(4 × concurrency, 32))."),
+    input_len: int = typer.Option(512, "--input-len", help="Prompt tokens of the random dataset, as the server "
+                                  "counts them (chat template included)."),
+    output_len: int = typer.Option(128, "--output-len", help="max_tokens of each request (a JSONL line's "
+                                   "output_len overrides it)."),
+    dataset: str = typer.Option("random", "--dataset", help="'random' (random words), or a .jsonl file of "
+                                "{\"prompt\": ...} or {\"messages\": [...]} lines, each with an optional "
+                                "\"output_len\"."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="A local tokenizer folder: random prompts of "
+                                         "exact token counts (else fitted to the server's usage counts)."),
+    endpoint: str = typer.Option("chat", "--endpoint", help="chat (/v1/chat/completions) or completions "
+                                 "(/v1/completions)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request may take before it counts as "
+                                  "failed."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Sent as 'Authorization: Bearer KEY'."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Ask for exactly --output-len "
+                                    "tokens (ignore_eos, min_tokens; dropped if the server refuses them)."),
+    extra_body: str | None = typer.Option(None, "--extra-body", help="A JSON object merged into every request "
+                                          "body (server-specific fields)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+    label: str | None = typer.Option(None, "--label", help="This server's name in the table and plot "
+                                     "(default: the model name)."),
+    output_dir: Path = typer.Option(Path("bench-serve"), "--output-dir", "-o", help="Where bench_serve.md, "
+                                    ".json and .png are written."),
+    compare: list[Path] = typer.Option([], "--compare", help="A bench_serve.json of an earlier run to put in "
+                                       "the same table and plot (repeatable)."),
+    quiet: bool = QUIET,
+) -> None:
+    """Load an OpenAI-compatible server: latency, throughput, TTFT and TPOT against concurrency."""
+    from quantkit.server.bench_report import load_runs, report_text, write_report
+    from quantkit.server.bench_serve import BenchServeConfig, bench_serve as run_bench, parse_extra_body, parse_levels
+
+    earlier = [run for path in compare for run in load_runs(path)]
+    cfg = BenchServeConfig(url=url, model=model, concurrency=parse_levels(concurrency), num_prompts=num_prompts,
+                           input_len=input_len, output_len=output_len, dataset=dataset, tokenizer=tokenizer,
+                           endpoint=endpoint, timeout=timeout, api_key=api_key, ignore_eos=ignore_eos,
+                           extra_body=parse_extra_body(extra_body), seed=seed, label=label)
+    runs = earlier + [run_bench(cfg, progress=not quiet)]
+    typer.echo(report_text(runs))
+    paths = write_report(runs, output_dir)
+    typer.echo("wrote " + ", ".join(str(p) for p in paths.values() if p))
+
+
 INTERRUPTED = "interrupted; nothing was written"
 
 
