@@ -146,3 +146,20 @@ def make_sentencepiece_tokenizer(directory: Path, **normalizer):
         sentence_iterator=iter(lines), model_prefix=str(directory / "tokenizer"), vocab_size=400, model_type="bpe",
         byte_fallback=True, character_coverage=0.9995, minloglevel=2, **normalizer)
     return sentencepiece_to_fast(directory / "tokenizer.model", {"add_bos_token": True})
+
+
+def write_tiny_glm(directory: Path, num_key_value_heads: int = 2, seed: int = 0) -> Path:
+    """A tiny transformers GlmForCausalLM (rotary on half of each head in adjacent pairs, q/k/v bias, one
+    gate_up_proj) with the tests' tokenizer, as GLM-4's transformers releases are laid out."""
+    from transformers import GlmConfig, GlmForCausalLM
+
+    torch.manual_seed(seed)
+    config = GlmConfig(**{**TINY, "num_key_value_heads": num_key_value_heads}, head_dim=16, tie_word_embeddings=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    model = GlmForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * (0.08 if p.ndim == 2 else 0.1))
+    model.save_pretrained(str(directory))
+    make_tokenizer().save_pretrained(str(directory))
+    return directory

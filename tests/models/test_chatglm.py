@@ -524,3 +524,34 @@ def test_cli_int8_then_engine(release, tmp_path):
     with torch.no_grad():
         want = reference_forward(sd, TINY_CHATGLM3, x)[0]
     assert (got - want).norm() / want.norm() < 0.02
+
+
+# --- plain GlmForCausalLM (transformers' layout, e.g. glm-4-9b-chat-hf) ------------------------------
+
+def test_plain_glm_checkpoint_engine_and_awq(text_file, tmp_path):
+    """The 'glm' registry entry: the engine matches transformers' GlmForCausalLM step by step; without
+    grouped-query heads AWQ's v→o group scales o_proj's inputs on equal shapes; the export reloads."""
+    from decoder_check import assert_same_logits, hf_model
+    from tiny import write_tiny_glm
+
+    from quantkit.engine.model import load_decoder
+
+    src = write_tiny_glm(tmp_path / "glm", num_key_value_heads=4)
+    model, _, _ = load_decoder(src, "cpu", torch.float32)
+    assert model.family == "glm" and model.model.rotary_emb.interleaved
+    assert_same_logits(model, hf_model(src))
+    loaded = load_fp_model(src)
+    config = build_config(method="awq", **{"weight.group_size": 32, "awq.n_grid": 8, "awq.search_tokens": 64,
+                                            "calib.batch_size": 4, "calib.samples": 8, "calib.seqlen": 32})
+    res = quantkit.quantize(loaded, config, calib=str(text_file), work_dir=tmp_path / "q", progress=False)
+    groups = json.loads((res.work_dir / "quant_report.json").read_text())["awq"]["blocks"][0]["groups"]
+    assert [g["prev"] for g in groups] == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm"]
+    assert "tied_heads" not in groups[1] and not (groups[1]["fallback"] or "").startswith("shapes")  # v, o agree
+    x = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        hf, _ = quantkit.load(res.work_dir, device="cpu", dtype=torch.float32)
+        got = hf(x).logits
+        torch.testing.assert_close(got, torch.nn.Module.float(loaded.model)(x).logits, rtol=2e-3, atol=2e-3)
+    engine_out = prefill_logits(load_decoder(res.work_dir, "cpu", torch.float32)[0], [x[0], x[1]])
+    for b in range(2):
+        assert (engine_out[b] - got[b]).abs().max() / got[b].abs().max() <= 1e-4
