@@ -30,7 +30,7 @@ class BenchSetup:
     tiny: bool = False               # the "tiny" shape on the CPU
     cache_max_entry_count: float = 0.8
 
-    def engine(self, max_num_seqs: int = 256, max_model_len: Optional[int] = None) -> Engine:
+    def engine(self, max_num_seqs: int = 256, max_model_len: Optional[int] = None, cuda_graphs: bool = True) -> Engine:
         shape = "tiny" if self.tiny else self.shape
         if shape not in SHAPES:
             raise UserError(f"unknown shape {shape!r}: use one of {', '.join(s for s in SHAPES if s != 'tiny')}")
@@ -43,7 +43,7 @@ class BenchSetup:
         model = build_random_model(shape, self.weights, torch.device(device), dtype)
         config = EngineConfig(kv_bits=self.kv_bits, cache_max_entry_count=self.cache_max_entry_count,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device, dtype=dtype,
-                              num_kv_tokens=16384 if self.tiny else None)
+                              num_kv_tokens=16384 if self.tiny else None, cuda_graphs=cuda_graphs)
         return Engine.from_model(model, None, config)
 
     def describe(self) -> dict:
@@ -107,6 +107,38 @@ def throughput(setup: BenchSetup, num_prompts: int = 512, input_len: int = 512, 
     return {"bench": "throughput", **setup.describe(), "num_prompts": num_prompts, "input_len": input_len,
             "output_len": output_len, "output_tok_s": round(produced / elapsed, 1),
             "total_tok_s": round((produced + num_prompts * input_len) / elapsed, 1), "seconds": round(elapsed, 2),
+            "kv_pool_tokens": engine.runner.num_blocks * engine.config.block_size, "peak_gib": _peak_gib(engine)}
+
+
+def capacity(setup: BenchSetup) -> dict:
+    """How many tokens the KV pool holds at the setup's cache_max_entry_count (lmdeploy's sizing rule:
+    a fraction of the memory left after the weights and a warm-up step), and its size."""
+    engine = setup.engine(cuda_graphs=False)
+    tokens = engine.runner.num_blocks * engine.config.block_size
+    return {"bench": "capacity", **setup.describe(), "cache_max_entry_count": setup.cache_max_entry_count,
+            "kv_pool_tokens": tokens, "kv_pool_gib": round(tokens * engine.runner.bytes_per_token() / 2**30, 2),
+            "peak_gib": _peak_gib(engine)}
+
+
+def long_context(setup: BenchSetup, batch: int, context: int, output_len: int = 64) -> dict:
+    """Decode tokens/s of `batch` sequences whose prompts hold `context` tokens: the prompts are prefilled
+    first (not timed), then every step decodes one token for each sequence; the time from the step after
+    the last first token to the last step."""
+    engine = setup.engine(max_num_seqs=batch, max_model_len=context + output_len + 1)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for prompt in _random_prompts(batch, context, engine.model.config.vocab_size):
+        engine.add_request(prompt, params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked under the token budget) until every sequence has a token
+        started.update(out.request_id for out in engine.step() if out.token_ids)
+    _sync(engine)
+    start, produced = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(out.token_ids) for out in engine.step())
+    _sync(engine)
+    elapsed = time.perf_counter() - start
+    return {"bench": "long_context", **setup.describe(), "batch": batch, "context": context,
+            "decode_tok_s": round(produced / elapsed, 1), "decoded": produced,
             "kv_pool_tokens": engine.runner.num_blocks * engine.config.block_size, "peak_gib": _peak_gib(engine)}
 
 

@@ -159,6 +159,21 @@ def _load_tile(codes_ptr, scale_ptr, zero_ptr, row, offs_i, mask, nmask, out_dty
 
 
 @triton.jit
+def _load_codes(codes_ptr, row, offs_i, mask, out_dtype: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr):
+    """Halves A and B [BLOCK_N, BLOCK_HALF] of int8/int4 codes for cache rows `row`, as `out_dtype` values
+    (0…255 or 0…15: exact in fp16/bf16), not dequantized."""
+    if BITS == 4:
+        byte = tl.load(codes_ptr + row[:, None] * HALF + offs_i[None, :], mask=mask, other=0)
+        a, b = byte & 0x0F, byte >> 4
+    else:
+        base = codes_ptr + row[:, None] * (2 * HALF) + offs_i[None, :]
+        a = tl.load(base, mask=mask, other=0)
+        b = tl.load(base + HALF, mask=mask, other=0)
+    # through fp32: the interpreter turns uint8 straight into bfloat16 wrongly (the GPU takes either)
+    return a.to(tl.float32).to(out_dtype), b.to(tl.float32).to(out_dtype)
+
+
+@triton.jit
 def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, ctx_ptr,
                   out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qk_scale, kv_heads, heads, partitions,
                   stride_qb, stride_qh, stride_bt,
@@ -189,23 +204,46 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_a = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
     acc_b = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
+    if BITS != 16:  # Σ_channels q, for the zero points folded out of q·k (below)
+        q_sum = tl.sum(q_a.to(tl.float32), axis=1) + tl.sum(q_b.to(tl.float32), axis=1)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         block = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * kv_heads + kvh
         mask = nmask[:, None] & imask[None, :]
-        k_a, k_b = _load_tile(kc_ptr, ks_ptr, kz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
-        s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
+        if BITS == 16:
+            k_a, k_b = _load_tile(kc_ptr, ks_ptr, kz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
+            s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
+        else:
+            # Quantized K, dequantized outside the tile: q·((c − z)·s) = s·(q·c − z·Σq). The codes go into
+            # the dot as they are (small integers, exact in fp16), so the tile needs a conversion per
+            # element and no arithmetic; the scale and zero apply once per token.
+            k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
+            k_s = tl.load(ks_ptr + row, mask=nmask, other=0.0).to(tl.float32)
+            k_z = tl.load(kz_ptr + row, mask=nmask, other=0).to(tl.float32)
+            s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
+            s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_a, v_b = _load_tile(vc_ptr, vs_ptr, vz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
-        p = p.to(dtype)
-        acc_a = acc_a * alpha[:, None] + tl.dot(p, v_a)
-        acc_b = acc_b * alpha[:, None] + tl.dot(p, v_b)
+        if BITS == 16:
+            v_a, v_b = _load_tile(vc_ptr, vs_ptr, vz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
+            p16 = p.to(dtype)
+            acc_a = acc_a * alpha[:, None] + tl.dot(p16, v_a)
+            acc_b = acc_b * alpha[:, None] + tl.dot(p16, v_b)
+        else:
+            # Σ_n p_n·s_n·(c_n − z_n) = (p·s)·c − Σ_n (p·s)_n·z_n: the scales go into p, the zeros into one
+            # correction per query row, taken from the same rounded p·s that meets the codes.
+            v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
+            v_s = tl.load(vs_ptr + row, mask=nmask, other=0.0).to(tl.float32)
+            v_z = tl.load(vz_ptr + row, mask=nmask, other=0).to(tl.float32)
+            ps = (p * v_s[None, :]).to(dtype)
+            corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
+            acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)
+            acc_b = acc_b * alpha[:, None] + (tl.dot(ps, v_b) - corr)
         m_i = m_new
 
     # an empty share (or a padded batch row with no context) leaves l = 0: its output is 0, not NaN
