@@ -6,10 +6,14 @@ reads rows of a fixed tensor (CUDA-graph safe). Dynamic NTK scaling depends on h
 is, not only on the position, so its rows are computed per token, once per forward, from the length
 of the token's sequence at this step — what transformers does when it runs one sequence at a time
 (its keys are cached rotated, as here).
+
+A config with `logn_attention_length` L (Qwen v1's logn attention, set by models/qwen.py) also has the
+queries at positions p ≥ L multiplied by log_L(p + 1) after the rotation, a factor of the position alone.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -76,8 +80,8 @@ class RotaryEmbedding(nn.Module):
     """Rotates q and k in place on their first `rotary_dim` channels: channel pairs (i, i + rotary_dim/2)
     (transformers' rotate_half layout) or, `interleaved`, adjacent pairs (2i, 2i + 1) (Glm, ChatGLM).
 
-    `rows(positions, seq_lens)` gives, once per forward, the table and the row of each token that
-    every layer's `forward` then reads."""
+    `rows(positions, seq_lens)` gives, once per forward, the table and the row of each token (and, with
+    logn attention, each token's query factor) that every layer's `forward` then reads."""
 
     def __init__(self, config: Any, max_positions: int, interleaved: bool = False) -> None:
         super().__init__()
@@ -93,10 +97,19 @@ class RotaryEmbedding(nn.Module):
             self.original_max = config.max_position_embeddings
             exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim
             self.register_buffer("exponents", exponents, persistent=False)
+        self.logn_length = getattr(config, "logn_attention_length", None)
 
-    def rows(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos_sin table, row index [T]); `seq_lens` [T] (the length of each token's sequence at this
-        step) is read by dynamic scaling only."""
+    def rows(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """(cos_sin table, row index [T]), + the query factor [T] with logn attention; `seq_lens` [T] (the
+        length of each token's sequence at this step) is read by dynamic scaling only."""
+        rows = self._table_rows(positions, seq_lens)
+        if self.logn_length:
+            p = positions.to(torch.float) + 1
+            factor = torch.where(p > self.logn_length, torch.log(p) / math.log(self.logn_length), torch.ones_like(p))
+            rows = (*rows, factor)
+        return rows
+
+    def _table_rows(self, positions: torch.Tensor, seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.dynamic:
             return self.cos_sin, positions
         if seq_lens is None:
@@ -109,7 +122,9 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         return table, torch.arange(positions.shape[0], device=positions.device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> None:
         """q [T, heads, D], k [T, kv_heads, D]; `rows` from `rows()`."""
-        table, index = rows
+        table, index = rows[0], rows[1]
         fused.apply_rope_(q, k, index, table, self.rotary_dim, self.interleaved)
+        if len(rows) > 2:
+            q.mul_(rows[2].to(q.dtype)[:, None, None])

@@ -6,10 +6,13 @@ c_proj(w1(x) · silu(w2(x))), so w2 is the gate and w1 the up projection. Its co
 intermediate_size is twice the MLP width. The rotary embedding is the same (rotate-half layout).
 
 Length extrapolation: Qwen's code scales the rotary base by a dynamic NTK alpha (2^⌈log2(L/seq_length)+1⌉ − 1,
-computed once from the prompt's length at prefill and kept while decoding) and multiplies queries at
-positions p ≥ seq_length by log_seq_length(p + 1) (logn attention). Both are no-ops while the prompt and
-generation stay within seq_length; beyond it the converted model uses plain RoPE (neither is reproduced;
-transformers' "dynamic" rope type is another formula, recomputed every step).
+computed once from the prompt's length L at prefill and kept while decoding) and multiplies the queries at
+positions p ≥ seq_length by log_seq_length(p + 1) (logn attention). The NTK alpha is 1 (a no-op) whenever
+the prompt is within seq_length, however long the answer; it is not reproduced for longer prompts (plain
+RoPE there: transformers' "dynamic" rope type is another formula, recomputed every step, and a per-sequence
+base fixed at prefill does not fit a paged, chunked, prefix-cached prefill). Logn attention is reproduced
+by the engine (the config's `logn_attention_length`, see engine/layers.py), not by transformers' Qwen2
+class, which ignores that key: past seq_length quantkit.load's model differs from Qwen's and the engine's.
 
 The tokenizer (`qwen.tiktoken`, tiktoken ranks) becomes a fast tokenizer with Qwen's regular expression,
 NFC normalization and special tokens, and the ChatML chat template of Qwen's `chat()`. Generation stops at
@@ -71,10 +74,12 @@ def qwen2_config_dict(cfg: dict[str, Any]) -> dict[str, Any]:
                                   "Qwen2's layout has biases on q/k/v only")
     seq_length = int(cfg.get("seq_length", 2048))
     max_positions = int(cfg.get("max_position_embeddings") or seq_length)
-    if max_positions > seq_length and (cfg.get("use_dynamic_ntk") or cfg.get("use_logn_attn")):
-        log.warning("Qwen: positions past seq_length %d (up to %d) use plain RoPE; Qwen's dynamic NTK and logn "
-                    "attention, which its own code applies there, are not reproduced", seq_length, max_positions)
+    if max_positions > seq_length and cfg.get("use_dynamic_ntk"):
+        log.warning("Qwen: a prompt longer than seq_length %d (up to %d) uses plain RoPE; Qwen's dynamic NTK, "
+                    "which its own code applies to such prompts, is not reproduced", seq_length, max_positions)
+    logn = {"logn_attention_length": seq_length} if cfg.get("use_logn_attn") else {}
     return {
+        **logn,
         "vocab_size": cfg["vocab_size"],
         "hidden_size": hidden,
         "intermediate_size": cfg["intermediate_size"] // 2,

@@ -179,12 +179,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def qwen_reference(sd: dict[str, torch.Tensor], cfg: dict, ids: torch.Tensor) -> torch.Tensor:
-    """Logits [T, vocab] of QWenLMHeadModel on one sequence `ids` [T] (eval mode, batch 1, no padding)."""
+def qwen_reference(sd: dict[str, torch.Tensor], cfg: dict, ids: torch.Tensor, prompt_len: int | None = None) -> torch.Tensor:
+    """Logits [T, vocab] of QWenLMHeadModel on one sequence `ids` [T] (eval mode, batch 1, no padding): a
+    prefill of its first `prompt_len` tokens (default all), then the rest one token at a time."""
     t, h, heads, hd = len(ids), cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_channels"]
     s, eps = cfg["seq_length"], cfg["layer_norm_epsilon"]
-    # Dynamic NTK (QWenModel.get_ntk_alpha, from the prompt's length) and logn scaling of the queries.
-    alpha = max(2 ** math.ceil(math.log(t / s, 2) + 1) - 1, 1) if cfg["use_dynamic_ntk"] else 1.0
+    # Dynamic NTK: QWenModel.get_ntk_alpha of the prefill's length, kept for the decode steps (its cached
+    # list); logn scaling of the queries at positions p with p + 1 > seq_length.
+    n = prompt_len or t
+    alpha = max(2 ** math.ceil(math.log(n / s, 2) + 1) - 1, 1) if cfg["use_dynamic_ntk"] else 1.0
     base = cfg["rotary_emb_base"] * alpha ** (hd / (hd - 2))
     inv_freq = 1.0 / base ** (torch.arange(0, hd, 2).float() / hd)
     freqs = torch.outer(torch.arange(t).float(), inv_freq)
@@ -324,6 +327,7 @@ def test_quantize_export_reload_generate(qwen_release, text_file, tmp_path):
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["model_type"] == "qwen2" and "auto_map" not in cfg
     assert cfg["quantization_config"]["quant_method"] == "awq"
+    assert cfg["logn_attention_length"] == CONFIG["seq_length"]  # read by the engine, ignored by transformers
     assert not list(export.rglob("*.py")) and (export / "tokenizer.json").is_file()
     assert "auto_map" not in json.loads((export / "tokenizer_config.json").read_text())
     n = len(ranks)
@@ -357,6 +361,32 @@ def test_quantize_export_reload_generate(qwen_release, text_file, tmp_path):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     assert out.token_ids == ids[-8:]
     assert not remote_modules()
+
+
+def test_engine_reproduces_logn_attention_past_seq_length(qwen_release, tmp_path):
+    """Prompts within seq_length (Qwen's NTK alpha stays 1) and answers past it: Qwen scales the queries at
+    positions p ≥ seq_length by log_seq_length(p + 1), and so does the engine."""
+    import shutil
+
+    src = shutil.copytree(qwen_release[0], tmp_path / "seq16")
+    cfg = {**CONFIG, "seq_length": 16}
+    (src / "config.json").write_text(json.dumps(cfg))
+    sd = qwen_weights(CONFIG)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g) for n in (5, 15, 16)]
+    decode = [torch.randint(3, 300, (4,), generator=g) for _ in prompts]
+    with torch.no_grad():
+        model, _, _ = load_decoder(src, "cpu", torch.float32)
+        got = engine_logits(model, prompts, decode)
+        for seq, prompt, dec in zip(got, prompts, decode):
+            full = torch.cat([prompt, dec])
+            want = qwen_reference(sd, cfg, full, prompt_len=len(prompt))
+            assert rel_err(seq[0], want[:len(prompt)]) <= 1e-4
+            for step, logits in enumerate(seq[1:]):
+                assert rel_err(logits[0], want[len(prompt) + step]) <= 1e-4, step
+        # The check has teeth: without the logn factor the last answer tokens' logits differ.
+        plain = qwen_reference(sd, {**cfg, "use_logn_attn": False}, full, prompt_len=len(prompt))
+        assert rel_err(plain[-1], want[-1]) > 1e-3
 
 
 def test_missing_vocabulary_is_refused(qwen_release, tmp_path):
