@@ -25,7 +25,7 @@ def stats_file_for(model_path: str | Path, kv_stats: Optional[str | Path] = None
     if found is None:
         raise KVStatsError(
             f"--kv-scales static needs KV statistics, and {where} has no {FILE_NAME}: run "
-            f"`quantkit kv-calibrate {model_path}` (`quantkit awq` writes them), or use --kv-scales online")
+            f"`quantkit kv-calibrate {model_path} -o {model_path}` (`quantkit awq` writes them), or use --kv-scales online")
     return found
 
 
