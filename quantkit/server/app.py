@@ -4,8 +4,8 @@
     GET  /health                200 while the engine loop runs, 503 once it failed
     GET  /metrics               Prometheus text (metrics.py)
     GET  /v1/models             the served model
-    POST /v1/chat/completions   chat: the tokenizer's chat template, streamed (SSE) or whole; image_url parts (a data: URL
-                                or a local path) for a model with a vision tower (LLaVA)
+    POST /v1/chat/completions   chat: the tokenizer's chat template, streamed (SSE) or whole; image_url parts
+                                (a data: URL or a local path) for a model with a vision tower (LLaVA)
     POST /v1/completions        text or token-id prompts, streamed or whole
 
 The /v1 generation routes take GET with a JSON body too (some clients send that). Bodies are parsed
@@ -14,7 +14,6 @@ here, not by FastAPI, so that every problem is answered in OpenAI's error body.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import importlib.resources
 import logging
@@ -28,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from quantkit.config import UserError
 from quantkit.engine.config import SamplingParams
 from quantkit.engine.llm_engine import encode_chat
-from quantkit.server.engine_loop import EngineLoop
+from quantkit.server.engine_loop import ChatWithImages, EngineClient, EngineLoop
 from quantkit.server.generation import Job, Renderer
 from quantkit.server.metrics import ServerMetrics
 from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
@@ -70,14 +69,13 @@ class EventStream(Response):
 
 
 class Server:
-    """The app's state: the engine behind its loop, the settings, the counters."""
+    """The app's state: the engine's backend and what it told of the engine, the settings, the counters."""
 
-    def __init__(self, engine: Any, settings: AppSettings) -> None:
-        self.engine, self.settings = engine, settings
-        self.loop = EngineLoop(engine)
+    def __init__(self, backend: EngineClient, settings: AppSettings) -> None:
+        self.loop, self.info, self.settings = backend, backend.info, settings
         self.metrics = ServerMetrics()
         self.names = {settings.served_model_name, *settings.model_aliases}
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = self.info.tokenizer
         self._token_texts: dict[int, str] = {}
 
     # --- checks ---------------------------------------------------------------------------------------
@@ -102,7 +100,7 @@ class Server:
     def check_capacity(self, num_sequences: int) -> None:
         if not self.loop.alive:
             raise APIError(503, f"the engine is not running ({self.loop.error or 'stopped'})", type="server_error")
-        limit = self.engine.config.max_num_seqs + self.settings.max_queue
+        limit = self.info.max_num_seqs + self.settings.max_queue
         if num_sequences > limit:
             raise APIError(400, f"this request needs {num_sequences} sequences but the server holds at most "
                            f"{limit} (--max-batch-size + --max-queue): lower n", param="n")
@@ -143,11 +141,10 @@ class Server:
             raise APIError(400, f"the model's chat template refused these messages: {exc}",
                            param="messages") from None
 
-    def encode_image_messages(self, req: ChatCompletionRequest):
-        """Messages with image_url parts → the engine's MultiModalPrompt (a data: URL or a local file path per
-        image; nothing is downloaded). A model without a vision tower, or an unreadable image: 400."""
-        vision = getattr(self.engine, "vision", None)
-        if vision is None:
+    def encode_image_messages(self, req: ChatCompletionRequest) -> ChatWithImages:
+        """Messages with image_url parts (a data: URL or a local file path each; nothing is downloaded), for
+        the engine's vision tower. A model without one: 400."""
+        if not self.info.has_vision:
             raise APIError(400, "this model takes no images (it has no vision tower): send text content only",
                            param="messages", code="unsupported_parameter")
         messages = []
@@ -157,10 +154,7 @@ class Server:
                 content = [{"type": "image_url", "image_url": {"url": _image_url(p.image_url)}}
                            if p.type == "image_url" else {"type": p.type, "text": p.text or ""} for p in content]
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        try:
-            return vision.encode(messages, allow_download=False)
-        except UserError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+        return ChatWithImages(messages)
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
@@ -169,13 +163,13 @@ class Server:
             return list(self.tokenizer(prompt)["input_ids"])
         if not all(isinstance(t, int) for t in prompt):
             raise APIError(400, "a token-id prompt is a list of integers", param="prompt", code="invalid_type")
-        vocab = self.engine.model.config.vocab_size
+        vocab = self.info.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
         return list(prompt)
 
     def params(self, req: Any, prompt_len: int, choice: int) -> SamplingParams:
-        limit = self.engine.scheduler.max_len - prompt_len
+        limit = self.info.max_len - prompt_len
         seed = None if req.seed is None else req.seed + choice
         try:
             sp = SamplingParams(
@@ -185,15 +179,18 @@ class Server:
                 frequency_penalty=req.frequency_penalty, seed=seed, stop=req.stop or [],
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs)
             eos = getattr(self.tokenizer, "eos_token_id", None)
-            return sp.with_defaults(self.engine.generation_config, eos)
+            return sp.with_defaults(self.info.generation_config, eos)
         except UserError as exc:
             raise APIError(400, str(exc)) from None
 
     # --- generation -----------------------------------------------------------------------------------
 
-    async def generate(self, endpoint: str, req: Any, prompts: list[list[int]], request: Request) -> Response:
-        max_len = self.engine.scheduler.max_len
+    async def generate(self, endpoint: str, req: Any, prompts: list[Any], request: Request) -> Response:
+        """prompts: token ids each, or one ChatWithImages (its length is known once the engine encoded it)."""
+        max_len = self.info.max_len
         for ids in prompts:
+            if isinstance(ids, ChatWithImages):
+                continue
             if not ids:
                 raise APIError(400, "the prompt is empty: give at least one token",
                                param="messages" if endpoint == "chat" else "prompt")
@@ -203,7 +200,8 @@ class Server:
                                param="messages" if endpoint == "chat" else "prompt",
                                code="context_length_exceeded")
         self.check_capacity(len(prompts) * req.n)
-        params = [[self.params(req, len(ids), j) for j in range(req.n)] for ids in prompts]
+        params = [[self.params(req, 0 if isinstance(ids, ChatWithImages) else len(ids), j) for j in range(req.n)]
+                  for ids in prompts]
         job = Job(self.loop, self.metrics, endpoint, prompts, params, request.receive)
         renderer = Renderer(endpoint, self.settings.served_model_name, self.token_text)
         want_logprobs = req.num_logprobs is not None
@@ -235,11 +233,14 @@ def _image_url(value: Any) -> Any:
     return value
 
 
-def create_app(engine: Any, settings: AppSettings) -> FastAPI:
-    """The ASGI app over `engine` (its loop thread starts with the app and stops with it)."""
+def create_app(backend: Any, settings: AppSettings) -> FastAPI:
+    """The ASGI app over `backend`: an EngineProcess (launched), an EngineLoop, or an Engine, which is
+    then stepped by an EngineLoop thread. The backend starts with the app and stops with it."""
     from contextlib import asynccontextmanager
 
-    server = Server(engine, settings)
+    if not isinstance(backend, EngineClient):
+        backend = EngineLoop(backend)
+    server = Server(backend, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -278,8 +279,8 @@ def create_app(engine: Any, settings: AppSettings) -> FastAPI:
         server.check_auth(request)
         req = parse_request(await request.body(), ChatCompletionRequest)
         server.check_model(req.model)
-        if has_image_parts(req):  # the vision tower runs beside the event loop, as the engine's steps do
-            prompt = await asyncio.to_thread(server.encode_image_messages, req)
+        if has_image_parts(req):  # the engine's side runs the vision tower, between its steps
+            prompt = server.encode_image_messages(req)
         else:
             prompt = server.encode_messages(req)
         return await server.generate("chat", req, [prompt], request)
@@ -294,7 +295,7 @@ def create_app(engine: Any, settings: AppSettings) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         server.check_auth(request)
         card = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "quantkit",
-                "max_model_len": engine.scheduler.max_len}
+                "max_model_len": server.info.max_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
@@ -304,7 +305,7 @@ def create_app(engine: Any, settings: AppSettings) -> FastAPI:
                             status_code=503)
 
     async def metrics(request: Request) -> PlainTextResponse:
-        text = server.metrics.render(engine.stats(), server.loop.num_in_flight)
+        text = server.metrics.render(server.loop.stats(), server.loop.num_in_flight)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def page(request: Request) -> Response:

@@ -1,13 +1,13 @@
-"""EngineLoop: the one thread that steps the engine for every HTTP request.
+"""The one loop that steps the engine for every HTTP request, and what the app knows of the engine.
 
-The engine is not thread-safe, so only this thread touches it. The event loop hands it commands (add a
-request, abort one) through a deque and wakes it; the thread applies them between steps, steps
-back-to-back while any request is unfinished (no sleep between steps when work is queued), and hands
-each step's outputs to the event loop in one `call_soon_threadsafe` call, where each request's sink
-(its asyncio queue) receives its own. With nothing to do the thread sleeps on an Event.
+The app talks to a backend through `EngineClient`: `add` a request (prompt tokenized, params resolved)
+with a sink for its outputs, `abort` one, read `stats()`. Outputs reach the sinks on the event loop's
+thread, one `call_soon_threadsafe` per engine step. Two backends:
 
-The step runs outside the event loop, so HTTP keeps being served while the accelerator works; the GIL
-is shared, so what each side does in Python per token is what it costs the other.
+- `EngineLoop` (here): the engine in a thread of this process. The engine is not thread-safe, so only
+  that thread touches it; commands go through a deque, applied between steps; steps run back to back
+  while any request is unfinished; with nothing to do the thread sleeps on an Event.
+- `EngineProcess` (engine_process.py): the engine in a process of its own, what `quantkit serve` runs.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from quantkit.config import UserError
@@ -34,20 +35,113 @@ class EngineFailure:
 Sink = Callable[[Any], None]   # receives RequestOutputs, then maybe an EngineFailure; event-loop thread
 
 
-class EngineLoop:
+@dataclass
+class ChatWithImages:
+    """A chat prompt with image parts: the engine's side runs the vision tower on it (never downloading)."""
+
+    messages: list[dict]
+
+
+def add_to_engine(engine: Any, request_id: str, prompt: Any, params: Any) -> None:
+    """engine.add_request, after the vision tower for a ChatWithImages (UserErrors for bad images)."""
+    if isinstance(prompt, ChatWithImages):
+        if getattr(engine, "vision", None) is None:
+            raise UserError("this model takes no images (it has no vision tower): send text content only")
+        prompt = engine.vision.encode(prompt.messages, allow_download=False)
+    engine.add_request(prompt, params, request_id)
+
+
+@dataclass
+class EngineInfo:
+    """What the HTTP side needs to know of the engine: to tokenize, resolve sampling settings and check
+    lengths and capacity."""
+
+    tokenizer: Any
+    generation_config: Any
+    max_len: int            # tokens one sequence may hold (prompt and answer)
+    max_num_seqs: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    has_vision: bool = False   # takes image parts (a LLaVA checkpoint)
+
+    @classmethod
+    def of(cls, engine: Any) -> "EngineInfo":
+        return cls(engine.tokenizer, engine.generation_config, engine.scheduler.max_len, engine.config.max_num_seqs,
+                   engine.model.config.vocab_size, engine.block_manager.num_blocks, engine.config.block_size,
+                   getattr(engine, "vision", None) is not None)
+
+
+class EngineClient:
+    """The event loop's side of a backend: the sinks of the requests in flight and their delivery."""
+
+    info: EngineInfo
+
+    def __init__(self) -> None:
+        self._sinks: dict[str, Sink] = {}            # event-loop thread only
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.error: Optional[str] = None             # set once the engine failed: the server reports unhealthy
+
+    def _send(self, command: tuple) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (as the event loop has seen them)."""
+        return len(self._sinks)
+
+    def add(self, request_id: str, prompt: Union[list[int], ChatWithImages], params: Any, sink: Sink) -> None:
+        """Queue a request (token ids, or a chat with images; params resolved); its outputs go to `sink`."""
+        self._sinks[request_id] = sink
+        self._send(("add", request_id, prompt, params))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client left); its KV blocks are freed before the next step."""
+        if self._sinks.pop(request_id, None) is not None:
+            self._send(("abort", request_id))
+
+    def _deliver(self, outputs: list) -> None:
+        for rid, out in outputs:
+            sink = self._sinks.get(rid)
+            if sink is None:
+                continue                               # aborted meanwhile
+            if out.finished:
+                del self._sinks[rid]
+            sink(out)
+
+    def _fail_in_flight(self, message: str) -> None:
+        self._deliver([(rid, EngineFailure(message, False)) for rid in list(self._sinks)])
+
+    def _post(self, items: list[tuple[str, Union[Any, EngineFailure]]]) -> None:
+        """Deliver on the event loop's thread (from any thread)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # the loop closed between the check and the call (shutdown)
+                pass
+
+
+class EngineLoop(EngineClient):
+    """The engine stepped by a thread of this process (see the module docstring)."""
+
     def __init__(self, engine: Any) -> None:
+        super().__init__()
         self.engine = engine
+        self.info = EngineInfo.of(engine)
         self._commands: deque = deque()
         self._wake = threading.Event()
-        self._sinks: dict[str, Sink] = {}            # event-loop thread only
         self._active: set[str] = set()               # engine thread only: requests added, not finished
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self.error: Optional[str] = None             # set once a step failed: the server reports unhealthy
         self.steps = 0
-
-    # --- the event loop's side ------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the thread; call from the event loop that will receive the outputs."""
@@ -59,22 +153,12 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    @property
-    def num_in_flight(self) -> int:
-        """Requests added and not yet finished (as the event loop has seen them)."""
-        return len(self._sinks)
+    def stats(self) -> dict:
+        return self.engine.stats()
 
-    def add(self, request_id: str, token_ids: list[int], params: Any, sink: Sink) -> None:
-        """Queue a request (prompt already tokenized, params resolved); its outputs go to `sink`."""
-        self._sinks[request_id] = sink
-        self._commands.append(("add", request_id, token_ids, params))
+    def _send(self, command: tuple) -> None:
+        self._commands.append(command)
         self._wake.set()
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request (a client left); its KV blocks are freed before the next step."""
-        if self._sinks.pop(request_id, None) is not None:
-            self._commands.append(("abort", request_id))
-            self._wake.set()
 
     async def stop(self) -> None:
         """Abort whatever is left and end the thread."""
@@ -84,15 +168,6 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
-
-    def _deliver(self, outputs: list) -> None:
-        for rid, out in outputs:
-            sink = self._sinks.get(rid)
-            if sink is None:
-                continue                               # aborted meanwhile
-            if out.finished:
-                del self._sinks[rid]
-            sink(out)
 
     # --- the engine thread ----------------------------------------------------------------------------
 
@@ -134,7 +209,7 @@ class EngineLoop:
                 self._post([(rid, EngineFailure(f"the engine failed earlier: {self.error}", False))])
                 continue
             try:
-                self.engine.add_request(command[2], command[3], rid)
+                add_to_engine(self.engine, rid, command[2], command[3])
             except UserError as exc:
                 self._post([(rid, EngineFailure(str(exc), True))])
                 continue
@@ -149,11 +224,3 @@ class EngineLoop:
                 log.exception("abort after a failed step")
         self._active.clear()
         self._post([(rid, EngineFailure(message, False)) for rid in failed])
-
-    def _post(self, items: list[tuple[str, Union[Any, EngineFailure]]]) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self._deliver, items)
-            except RuntimeError:  # the loop closed between the check and the call (shutdown)
-                pass

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
-from quantkit.server.engine_loop import EngineFailure, EngineLoop
+from quantkit.server.engine_loop import EngineClient, EngineFailure
 from quantkit.server.metrics import ServerMetrics
 from quantkit.server.protocol import DONE, APIError, sse, usage_dict
 
@@ -27,7 +27,8 @@ DISCONNECTED = object()
 class Choice:
     """What one choice has received so far."""
 
-    prompt_tokens: int
+    prompt: int                          # which of the request's prompts it answers
+    prompt_tokens: int = 0               # as the engine counted them (image tokens included)
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list = field(default_factory=list)
@@ -46,9 +47,9 @@ class Delta:
 
 
 class Job:
-    def __init__(self, loop: EngineLoop, metrics: ServerMetrics, endpoint: str, prompts: list[list[int]],
+    def __init__(self, loop: EngineClient, metrics: ServerMetrics, endpoint: str, prompts: list[Any],
                  params: list[list[Any]], receive: Callable) -> None:
-        """prompts[p] token ids; params[p][j] the SamplingParams of choice p·n + j."""
+        """prompts[p] token ids (or a ChatWithImages); params[p][j] the SamplingParams of choice p·n + j."""
         self.loop, self.metrics, self.endpoint = loop, metrics, endpoint
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
@@ -56,16 +57,15 @@ class Job:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices: list[Choice] = []
         self.rids: list[str] = []
-        for p, ids in enumerate(prompts):
+        for p, prompt in enumerate(prompts):
             for sp in params[p]:
                 index = len(self.choices)
-                self.choices.append(Choice(len(ids)))
+                self.choices.append(Choice(p))
                 rid = f"{self.id}-{index}"
                 self.rids.append(rid)
-                loop.add(rid, ids, sp, lambda out, i=index: self.queue.put_nowait((i, out)))
+                loop.add(rid, prompt, sp, lambda out, i=index: self.queue.put_nowait((i, out)))
         self.unfinished = set(range(len(self.choices)))
-        self.prompt_tokens = sum(len(ids) for ids in prompts)
-        metrics.prompt_tokens += self.prompt_tokens
+        self._prompt_tokens: dict[int, int] = {}   # prompt → its token count, from its first output
         self._watcher = asyncio.ensure_future(self._watch(receive))
 
     async def _watch(self, receive: Callable) -> None:
@@ -87,6 +87,11 @@ class Job:
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Each prompt's tokens once (the n choices of a prompt share them), as the engine counted them."""
+        return sum(self._prompt_tokens.values())
+
     async def next_deltas(self) -> Optional[dict[int, Delta]]:
         """The outputs that have arrived (waiting for at least one), merged per choice; None when the
         client disconnected. An engine failure raises APIError."""
@@ -103,6 +108,9 @@ class Job:
                 raise APIError(400 if out.user_error else 500, out.message,
                                type="invalid_request_error" if out.user_error else "server_error")
             choice = self.choices[index]
+            if choice.prompt not in self._prompt_tokens:
+                self._prompt_tokens[choice.prompt] = out.usage.prompt_tokens
+                self.metrics.prompt_tokens += out.usage.prompt_tokens
             if choice.first_at is None and out.token_ids:
                 choice.first_at = now
                 self.metrics.ttft.observe(now - self.arrival)

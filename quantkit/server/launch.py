@@ -91,18 +91,24 @@ def serve(config: ServeConfig) -> None:
     except ImportError as exc:
         raise UserError(f"quantkit serve needs the serve extra ({exc.name} is missing): "
                         "pip install 'quantkit[serve]'") from None
-    from quantkit.server.model_source import check_model_arg, load_engine
+    from quantkit.server.engine_process import EngineProcess
+    from quantkit.server.model_source import check_model_arg
 
     check_model_arg(config.model)
     sock = bind(config.host, config.port)
     url = url_of(sock)
     print(f"quantkit serve: loading {config.model}; will answer at {url}", flush=True)
-    engine = load_engine(config.model, config.engine, config.tokenizer)
+    backend = EngineProcess(config.model, config.engine, config.tokenizer)
+    try:
+        info = backend.launch()
+    except BaseException:
+        sock.close()
+        raise
     settings = AppSettings(
         served_model_name=config.model_name, model_aliases=(config.model,), api_key=config.api_key,
         max_queue=config.max_queue, allow_origins=tuple(config.allow_origins))
-    ready = (f"quantkit serve: ready at {url} (model {config.model_name!r}, {engine.block_manager.num_blocks} KV "
-             f"blocks of {engine.config.block_size} tokens, context {engine.scheduler.max_len} tokens)")
+    ready = (f"quantkit serve: ready at {url} (model {config.model_name!r}, {info.num_blocks} KV blocks of "
+             f"{info.block_size} tokens, context {info.max_len} tokens)")
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -110,7 +116,7 @@ def serve(config: ServeConfig) -> None:
             if self.started:   # listening now
                 print(ready, flush=True)
 
-    app = create_app(engine, settings)
+    app = create_app(backend, settings)
     server = Server(uvicorn.Config(
         app, log_level=config.log_level, access_log=config.access_log, lifespan="on",
         timeout_graceful_shutdown=config.shutdown_timeout, timeout_keep_alive=30))
@@ -123,6 +129,7 @@ def serve(config: ServeConfig) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sock.close()
+        backend.shutdown()   # stopped with the app already; killed if it is still there
     if not server.started:
         raise UserError(f"the server did not start at {url} (see the lines above)")
     print("quantkit serve: stopped", file=sys.stderr, flush=True)

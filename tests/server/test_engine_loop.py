@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,12 @@ from quantkit.server.engine_loop import EngineFailure, EngineLoop
 
 class ScriptedEngine:
     """Each request asks for `params` tokens; every step gives each unfinished request one."""
+
+    tokenizer = generation_config = None
+    scheduler = SimpleNamespace(max_len=100)
+    config = SimpleNamespace(max_num_seqs=8, block_size=16)
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=32))
+    block_manager = SimpleNamespace(num_blocks=4)
 
     def __init__(self) -> None:
         self.left: dict[str, int] = {}
