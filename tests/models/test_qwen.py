@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import re
+import subprocess
 import sys
 import unicodedata
 from collections import Counter
@@ -361,6 +363,16 @@ def test_quantize_export_reload_generate(qwen_release, text_file, tmp_path):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     assert out.token_ids == ids[-8:]
     assert not remote_modules()
+
+    # quantkit chat on the export: the same greedy answer as the pipeline's (the model's own penalty).
+    want = pipe([messages], max_new_tokens=6, temperature=0)[0].text
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "quantkit.cli", "chat", str(export), "--device", "cpu",
+                           "--max-new-tokens", "6", "--temperature", "0"], input="Hi, pls intro yourself\nexit\n",
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    answer = proc.stdout.split(">>> ")[1]
+    assert want.strip() and want.strip() in answer
 
 
 def test_engine_reproduces_logn_attention_past_seq_length(qwen_release, tmp_path):
