@@ -1,9 +1,11 @@
 """The engine's decoder: one module for the registry's Llama-layout families, built from a transformers config.
 
 What differs between the families is data: the registry entry's `extra` (Qwen2 puts a bias on q/k/v,
-Qwen3 normalizes q and k per head) and the config (`attention_bias`, `mlp_bias`); InternLM2 arrives
-converted to the Llama layout (models/internlm2.py). q/k/v are one linear (`qkv_proj`) and gate/up
-another (`gate_up_proj`); engine/weights.py fuses the checkpoint's separate tensors into them.
+Qwen3 normalizes q and k per head, Glm rotates adjacent channel pairs and has no o_proj bias) and the
+config (`attention_bias`, `mlp_bias`, `partial_rotary_factor`); InternLM2 arrives converted to the Llama
+layout (models/internlm2.py), ChatGLM2/3 to the Glm one (models/chatglm.py). q/k/v are one linear
+(`qkv_proj`) and gate/up another (`gate_up_proj`); engine/weights.py fuses the checkpoint's separate
+tensors into them (Glm's checkpoints hold gate_up_proj already fused).
 Module names otherwise follow transformers', so checkpoint names map onto them.
 """
 
