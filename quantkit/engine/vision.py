@@ -131,8 +131,8 @@ class VisionEncoder:
         kwargs = {"pixel_values": inputs["pixel_values"].to(self.device, self.dtype)}
         if "image_sizes" in inputs:
             kwargs["image_sizes"] = inputs["image_sizes"].to(self.device)
-        out = self.model.get_image_features(**kwargs, return_dict=True).pooler_output
-        return torch.cat(list(out), dim=0)
+        out = self.model.get_image_features(**kwargs, return_dict=True)
+        return torch.cat(list(out["pooler_output"]), dim=0)  # a ModelOutput is a dict too
 
     def encode(self, messages: list[dict], allow_download: bool = True) -> MultiModalPrompt:
         """Chat messages (content a string or OpenAI-style parts: text, image_url, image) → token ids with the

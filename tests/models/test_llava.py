@@ -156,6 +156,8 @@ def test_quantized_export_keeps_vision_and_loads_in_transformers(checkpoints, tm
     if method == "awq":
         overrides.update({"calib.samples": 4, "calib.seqlen": 32})
         calib = [make_text(600, 5)]
+    if method == "int8":  # as `quantkit int8` sets it: W8, a scale per output channel, compressed-tensors
+        overrides = {"weight.bits": 8, "weight.group_size": -1, "weight.symmetric": True, "format": "compressed-tensors"}
     res = quantkit.quantize(str(src), build_config(method=method, **overrides), calib=calib,
                             work_dir=tmp_path / "q", progress=False)
     out = res.work_dir
@@ -174,6 +176,7 @@ def test_quantized_export_keeps_vision_and_loads_in_transformers(checkpoints, tm
     before, after = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     vision = [n for n in before if not n.startswith("language_model.")]
     assert vision and all(after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]) for n in vision)
+    assert (qc["quant_method"], method) != ("awq", "int8")
     packed = "qweight" if qc["quant_method"] == "awq" else "weight_packed"
     assert f"language_model.model.layers.1.mlp.down_proj.{packed}" in after
     assert not [n for n in after if n.startswith(("model.", "lm_head"))]  # nothing left under converted names
