@@ -74,7 +74,9 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 
 # ChatGLM3's build_chat_input: per message <|role|> + encode(metadata + "\n") + encode(content), after
 # [gMASK] sop; a system message's tools are appended as JSON. Text between special tokens is encoded on
-# its own with the dummy prefix, so "\n " + content gives encode("\n") + encode(content).
+# its own with the dummy prefix, so "\n " + content gives encode("\n") + encode(content). An answer as
+# the model wrote it ("\n" after an empty metadata line) goes back into the history as its chat code
+# keeps it (process_response: the content after the first newline, stripped).
 CHATGLM3_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first %}[gMASK]<sop>{% endif %}"
@@ -82,6 +84,7 @@ CHATGLM3_TEMPLATE = (
     "{% if role not in ['system', 'user', 'assistant', 'observation'] %}"
     "{{ raise_exception('ChatGLM3 has no role ' + role) }}{% endif %}"
     "{% set content = message['content'] or '' %}"
+    "{% if role == 'assistant' and content.startswith('\n') %}{% set content = content[1:].strip() %}{% endif %}"
     "{% if role == 'system' and message['tools'] is defined and message['tools'] %}"
     "{% set content = content + '\\n' + (message['tools'] | tojson(indent=4)) %}{% endif %}"
     "<|{{ role }}|>{{ message['metadata'] or '' if message['metadata'] is defined else '' }}\n"

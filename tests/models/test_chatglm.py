@@ -360,6 +360,13 @@ def test_tokenizer_encodes_as_chatglm(release):
         assert got == reference_chat_input(sp, hist, query), query
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert tok(text, add_special_tokens=False)["input_ids"] == got
+    # An answer decoded as generated (empty metadata line, then the text) is kept as chat() keeps it.
+    raw = tok.decode([ids["<|assistant|>"]] + sp.encode("\n") + sp.encode("Hello there. "), skip_special_tokens=True)
+    assert raw.startswith("\n")
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": raw}, {"role": "user", "content": "x"}]
+    got = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    got = got if isinstance(got, list) else got["input_ids"]
+    assert got == reference_chat_input(sp, [turns[0], {"role": "assistant", "content": "Hello there."}], "x")
 
 
 def test_chatglm2_prompt_format(release, tmp_path):
