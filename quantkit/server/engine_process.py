@@ -22,7 +22,7 @@ import threading
 from typing import Any, Optional
 
 from quantkit.config import UserError
-from quantkit.server.engine_loop import EngineClient, EngineFailure, EngineInfo, add_to_engine
+from quantkit.server.engine_loop import EngineClient, EngineFailure, EngineInfo, add_to_engine, lean
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class _Worker:
             for out in outs:
                 if out.finished:
                     self.active.discard(out.request_id)
-            self.outputs.send(("outputs", [(out.request_id, out) for out in outs], engine.stats()))
+            self.outputs.send(("outputs", lean(outs), engine.stats()))
 
     def apply(self, command: tuple) -> bool:
         """Apply one command; False for stop."""
@@ -199,21 +199,13 @@ class EngineProcess(EngineClient):
                 return
             self._call(self._on_message, message)
 
-    def _call(self, fn, *args) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:
-                pass
-
     # --- the event loop's side ----------------------------------------------------------------------------
 
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
         if kind == "outputs":
             self._stats = message[2]
-            self._deliver(message[1])
+            self._deliver_lean(message[1])
         elif kind == "stats":
             self._stats = message[1]
         elif kind == "rejected":

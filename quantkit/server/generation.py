@@ -109,8 +109,8 @@ class Job:
                                type="invalid_request_error" if out.user_error else "server_error")
             choice = self.choices[index]
             if choice.prompt not in self._prompt_tokens:
-                self._prompt_tokens[choice.prompt] = out.usage.prompt_tokens
-                self.metrics.prompt_tokens += out.usage.prompt_tokens
+                self._prompt_tokens[choice.prompt] = out.prompt_tokens
+                self.metrics.prompt_tokens += out.prompt_tokens
             if choice.first_at is None and out.token_ids:
                 choice.first_at = now
                 self.metrics.ttft.observe(now - self.arrival)
