@@ -287,6 +287,11 @@ ENGINE_KV_BITS = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dt
 CACHE_FRACTION = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of the GPU memory free after the "
                               "weights that the KV pool takes.")
 
+# `quantkit serve`, the OpenAI-compatible server: its flags live beside it (quantkit/server/cli.py).
+from quantkit.server.cli import serve as serve_command  # noqa: E402  (typer only; the server loads lazily)
+
+app.command("serve")(serve_command)
+
 
 @app.command()
 def chat(
