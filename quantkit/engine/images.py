@@ -68,7 +68,7 @@ def load_image(image: Any, allow_download: bool = True):
         if not allow_download:
             raise ImageError(f"images are not downloaded here ({image[:80]}): pass a data: URL or a local file path")
         return _open(_download(image), image).convert("RGB")
-    path = Path(image[len("file://"):] if image.startswith("file://") else image).expanduser()
+    path = Path(image.removeprefix("file://")).expanduser()
     if not path.is_file():
         raise ImageError(f"image file {path} does not exist")
     return _open(path.read_bytes(), str(path)).convert("RGB")
