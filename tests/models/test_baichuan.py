@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from decoder_check import engine_logits, make_prompts
+from tiny import make_sentencepiece_tokenizer
 
 import quantkit
 from quantkit.cli import main as cli_main
@@ -21,8 +23,6 @@ from quantkit.config import UserError, build_config
 from quantkit.engine.model import load_decoder
 from quantkit.models import baichuan
 from quantkit.models.loading import load_fp_model
-from decoder_check import engine_logits, make_prompts
-from tiny import make_sentencepiece_tokenizer
 
 REMOTE_CODE = 'raise RuntimeError("remote code executed")\n'
 REMOTE_FILES = ("modeling_baichuan.py", "configuration_baichuan.py", "tokenization_baichuan.py", "generation_utils.py")
@@ -246,7 +246,7 @@ def test_quantize_export_reload_chat(release, tmp_path):
     user, assistant = (sp.piece_to_id(p) for p in ROLE_PIECES)
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [2, user]
 
-    hf, tok = quantkit.load(export, device="cpu")
+    hf, _ = quantkit.load(export, device="cpu")
     prompts, decode = make_prompts()
     model, _, _ = load_decoder(export, "cpu", torch.float32)
     with torch.no_grad():
@@ -271,7 +271,7 @@ def test_quantize_export_reload_chat(release, tmp_path):
 
 
 def test_13b_alibi_is_refused(release, tmp_path, monkeypatch, capsys):
-    src, cfg, _ = release
+    _, cfg, _ = release
     big = tmp_path / "Baichuan2-13B-Chat"
     big.mkdir()
     # Baichuan2-13B's config: model_max_length, no max_position_embeddings (its attention is ALiBi).

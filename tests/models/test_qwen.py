@@ -20,14 +20,14 @@ import pytest
 import regex
 import torch
 import torch.nn.functional as F
+from decoder_check import engine_logits, make_prompts
+from tiny import make_text
 
 import quantkit
 from quantkit.config import UserError, build_config
 from quantkit.engine.model import load_decoder
 from quantkit.models import qwen
 from quantkit.models.loading import load_fp_model
-from decoder_check import engine_logits, make_prompts
-from tiny import make_text
 
 REMOTE_CODE = 'raise RuntimeError("remote code executed")\n'
 REMOTE_FILES = ("modeling_qwen.py", "configuration_qwen.py", "tokenization_qwen.py", "qwen_generation_utils.py")
