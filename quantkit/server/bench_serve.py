@@ -177,6 +177,19 @@ class _Bench:
         return await client.send(self.session, self.url, self.payload.body(prompt, max_tokens), self.cfg.endpoint,
                                  self.cfg.timeout, self.hdrs)
 
+    async def open_connections(self, n: int) -> None:
+        """Leave `n` open connections in the session's pool (n GET /v1/models at once), so that a level's
+        TTFTs do not include opening them (a new connection's first request can take tens of ms more)."""
+        async def get() -> None:
+            try:
+                async with self.session.get(self.root + "/v1/models", headers=self.hdrs,
+                                            timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass  # the level's requests will report what is wrong
+
+        await asyncio.gather(*(get() for _ in range(n)))
+
     async def resolve_model(self) -> None:
         if self.payload.model:
             return
@@ -262,8 +275,10 @@ async def run_level(bench: _Bench, prompts: list[Prompt], concurrency: int, prog
             if failed:
                 bar.set_postfix(failed=failed)
 
+    clients = min(concurrency, len(prompts))
+    await bench.open_connections(clients)
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    await asyncio.gather(*(worker() for _ in range(clients)))
     duration = time.perf_counter() - start
     bar.close()
     row = summarize(concurrency, results, duration, [p.input_len for p in prompts])
