@@ -76,6 +76,19 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def _engine_logits(engine: Engine, prompt, chunks: list[int]) -> torch.Tensor:
+    """The engine's logits of every prompt token, the prompt prefilled in chunks of the given sizes."""
+    seq = Sequence(prompt.token_ids)
+    seq.images = prompt.images
+    engine.block_manager.allocate(seq)
+    logits = []
+    for n in chunks:
+        logits.append(engine.runner.prompt_logits([(seq, n)]))
+        seq.num_computed_tokens += n
+    engine.block_manager.deallocate(seq)
+    return torch.cat(logits)
+
+
 def test_names_convert_both_ways(checkpoints):
     """The language model's tensors get Llama names and back; the vision half is left out of the language
     model; quantkit.load's renaming to transformers' module names puts every tensor where transformers'
@@ -115,15 +128,7 @@ def test_image_prompt_logits_match_transformers(checkpoints, family):
     assert prompt.token_ids == inputs["input_ids"][0].tolist()
     first = prompt.images.positions[0]
     for chunks in ([len(prompt.token_ids)], [first + 3, len(prompt.token_ids) - first - 3]):
-        seq = Sequence(prompt.token_ids)
-        seq.images = prompt.images
-        engine.block_manager.allocate(seq)
-        logits = []
-        for n in chunks:
-            logits.append(engine.runner.prompt_logits([(seq, n)]))
-            seq.num_computed_tokens += n
-        engine.block_manager.deallocate(seq)
-        assert _rel_err(torch.cat(logits), want) <= 1e-4, chunks
+        assert _rel_err(_engine_logits(engine, prompt, chunks), want) <= 1e-4, chunks
 
     text_ids = processor.tokenizer(PROMPT + " of every token", return_tensors="pt")["input_ids"]
     lm = load_fp_model(path, dtype=torch.float32)
@@ -187,8 +192,14 @@ def test_quantized_export_keeps_vision_and_loads_in_transformers(checkpoints, tm
     assert type(model).__name__ == type(_hf(src)[0]).__name__
     from transformers import AutoProcessor
 
-    want = _hf_greedy(model, AutoProcessor.from_pretrained(str(out)), image)
+    processor = AutoProcessor.from_pretrained(str(out))
+    want = _hf_greedy(model, processor, image)
     engine = _engine(out)
+    inputs = _hf_inputs(processor, image)
+    prompt = engine.multimodal_prompt([{"role": "user", "content": [{"type": "image", "image": image},
+                                                                    {"type": "text", "text": PROMPT}]}])
+    with torch.no_grad():
+        assert _rel_err(_engine_logits(engine, prompt, [len(prompt)]), model(**inputs).logits[0]) <= 1e-4
     got = engine.generate([[{"role": "user", "content": [{"type": "image", "image": image},
                                                           {"type": "text", "text": PROMPT}]}]],
                           SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True), progress=False)
