@@ -139,7 +139,7 @@ def summarize(concurrency: int, results: list[client.RequestResult], duration: f
     row.update(dict.fromkeys(keys))
     row["output_tokens_from"] = _source({r.tokens_from for r in ok})
     prompt_tokens = [r.prompt_tokens if r.prompt_tokens is not None else n for r, n in done]
-    row["input_tokens_from"] = ("usage" if all(r.prompt_tokens is not None for r in ok) else
+    row["input_tokens_from"] = (None if not ok else "usage" if all(r.prompt_tokens is not None for r in ok) else
                                 "tokenizer" if all(p is not None for p in prompt_tokens) else "unknown")
     if not ok:
         return row
