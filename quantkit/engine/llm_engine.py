@@ -166,7 +166,8 @@ class Engine:
             return prompt
         if self.vision is None:
             if has_images(prompt):
-                raise NoImagesError("this model takes no images (it has no vision tower): send text only")
+                raise NoImagesError("this model takes no images (no vision tower or image processor was loaded): "
+                                     "send text only")
             return prompt
         if prompt and not isinstance(prompt, str) and isinstance(list(prompt)[0], dict):
             return self.vision.encode(list(prompt))

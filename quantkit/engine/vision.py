@@ -69,16 +69,9 @@ def _vision_model(path: Path, config: Any, device: torch.device, dtype: torch.dt
 class VisionEncoder:
     """Chat messages with images → `MultiModalPrompt` (token ids + image features), see the module docstring."""
 
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype) -> None:
-        from transformers import AutoProcessor
-
-        self.path, self.device, self.dtype = path, device, dtype
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, processor: Any) -> None:
+        self.path, self.device, self.dtype, self.processor = path, device, dtype, processor
         self.config = transformers_config(path)
-        try:
-            self.processor = AutoProcessor.from_pretrained(str(path))
-        except (OSError, ValueError, TypeError) as exc:
-            raise ModelLoadError(f"{path}: cannot load its image processor ({str(exc).splitlines()[0]}); a LLaVA "
-                                 "checkpoint needs preprocessor_config.json / processor_config.json") from None
         self.model = _vision_model(path, self.config, device, dtype)
         self.image_token_id = int(getattr(self.config, "image_token_id", None) or self.config.image_token_index)
         self.image_token = getattr(self.processor, "image_token", "<image>")
@@ -160,10 +153,19 @@ class VisionEncoder:
 
 def load_vision(path: str | Path, device: torch.device, dtype: torch.dtype) -> Optional[VisionEncoder]:
     """The image half of a checkpoint whose registry entry takes images (LLaVA), else None."""
+    from transformers import AutoProcessor
+
     path = Path(path)
     if not path.is_dir() or not is_vision_checkpoint(path):
         return None
-    return VisionEncoder(path, device, dtype)
+    try:
+        processor = AutoProcessor.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as exc:  # text still works: say why images will not
+        log.warning("%s has no usable image processor (%s): it answers text only; copy the original model's "
+                    "preprocessor_config.json / processor_config.json beside it to send images",
+                    path, str(exc).splitlines()[0][:200])
+        return None
+    return VisionEncoder(path, device, dtype, processor)
 
 
 def has_images(prompt: Any) -> bool:
