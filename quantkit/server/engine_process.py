@@ -136,6 +136,10 @@ class EngineProcess(EngineClient):
             self.proc.join(10)
             raise UserError(f"the engine process exited while loading (exit code {self.proc.exitcode}); "
                             "see the lines above") from None
+        except BaseException:   # Ctrl-C while the model loads: the process ignores SIGINT, so end it here
+            self.proc.kill()
+            self.proc.join(10)
+            raise
         if message[0] == "error":
             self.proc.join(30)
             raise UserError(message[1])
@@ -163,14 +167,24 @@ class EngineProcess(EngineClient):
         """Abort what is left, stop the process (killed if it does not end within 30 s)."""
         for rid in list(self._sinks):
             self.abort(rid)
-        self._stopping = True
-        self._outbox.put(("stop",))
-        self._outbox.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Blocking: wait for the process to end, kill it if it does not."""
+        """Blocking and idempotent: tell the process to stop (the commands queued before still apply), close
+        its command pipe (which ends it too), wait, kill it if it is still there."""
+        if self._stopping:
+            return
         self._stopping = True
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        if self._threads:
+            self._threads[0].join(5)
+        else:  # never started serving: no sender thread
+            try:
+                self._cmd_send.send(("stop",))
+            except OSError:
+                pass
+        self._cmd_send.close()
         self.proc.join(timeout)
         if self.proc.is_alive():
             log.warning("the engine process did not stop in %.0f s: killing it", timeout)
