@@ -11,6 +11,7 @@ fewer, larger chunks instead of a growing backlog.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -197,6 +198,14 @@ class Renderer:
                 out["usage"] = usage_dict(job.prompt_tokens, job.completion_tokens) if continuous_usage else None
             return sse(out)
 
+        # The common chunk (text only, not finished) from a template: one json.dumps of the text per token.
+        head_json = json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1]
+        key = '"delta":{"content":' if self.chat else '"text":'
+        text_pre = [f'data: {head_json},"choices":[{{"index":{i},{key}' for i in range(len(job.choices))]
+        text_post = ('}' if self.chat else '') + ',"logprobs":null,"finish_reason":null}]' + \
+            (',"usage":null' if include_usage else "") + "}\n\n"
+        fast = not want_logprobs and not continuous_usage
+
         if self.chat:
             for i in range(len(job.choices)):
                 yield chunk(i, {"delta": {"role": "assistant", "content": ""}}, None)
@@ -213,7 +222,9 @@ class Renderer:
             for i, d in deltas.items():
                 lp = self.logprobs(d.logprobs, offsets[i]) if want_logprobs and d.logprobs else None
                 offsets[i] += len(d.text)
-                if self.chat:
+                if fast and d.text and not d.finish_reason:
+                    parts.append((text_pre[i] + json.dumps(d.text, ensure_ascii=False) + text_post).encode())
+                elif self.chat:
                     if d.text or lp:
                         parts.append(chunk(i, {"delta": {"content": d.text}, "logprobs": lp}, None))
                     if d.finish_reason:
