@@ -50,13 +50,13 @@ GLM_LINEARS = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_up_proj", "mlp.down_proj",
 )
-# gate_up_proj → down_proj is left out: down_proj's inputs are silu(gate) · up, so its scales would fold
-# into the up half of gate_up_proj's rows only, and the fold code scales a whole linear's outputs.
-# down_proj is then quantized with its clipping search alone.
+# down_proj reads silu(gate) · up: its input scales fold into the up half of gate_up_proj's rows only
+# (prev_part (1, 2)), never into gate, whose rows pass through the SiLU.
 GLM_GROUPS = (
     ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
     ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", needs_equal_shapes=True),
     ScaleGroup("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"),
+    ScaleGroup("mlp.gate_up_proj", ("mlp.down_proj",), "mlp.down_proj", prev_part=(1, 2)),
 )
 # What the engine's decoder builds beyond the Llama block: rotary pairs (2i, 2i + 1) on the first
 # partial_rotary_factor of each head, and no o_proj bias whatever attention_bias says.

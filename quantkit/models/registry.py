@@ -23,13 +23,16 @@ class ScaleGroup:
     """`prev` (a norm or linear, relative to the block) feeds `linears`; `loss_module` measures them.
 
     `needs_equal_shapes` marks v→o, valid only when every o input channel has its own v output row
-    (no grouped-query attention), unless the driver handles GQA itself.
+    (no grouped-query attention), unless the driver handles GQA itself. `prev_part` (index, count)
+    names the one of `count` equal slices of prev's outputs that feeds the linears, when only a part
+    does: (1, 2) for the up half of a fused gate_up_proj, which down_proj reads (through silu(gate)·up).
     """
 
     prev: str
     linears: tuple[str, ...]
     loss_module: str
     needs_equal_shapes: bool = False
+    prev_part: Optional[tuple[int, int]] = None
 
 
 @dataclass(frozen=True)

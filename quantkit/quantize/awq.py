@@ -100,6 +100,11 @@ def _search_group(layer, group: ScaleGroup, stats: InputStats, calls: list, mode
     loss_module = layer.get_submodule(group.loss_module)
     entry: dict[str, Any] = {"prev": group.prev, "linears": list(group.linears), "fallback": None}
     n_out, n_in = output_channels(prev), linears[0].in_features
+    rows = None
+    if group.prev_part is not None:  # only a slice of prev's outputs feeds the linears
+        index, count = group.prev_part
+        n_out //= count
+        rows = slice(index * n_out, (index + 1) * n_out)
     reduce, expand = identity, identity
     if n_out != n_in:
         tying = head_tying(model_config, n_out, n_in) if gqa else None
@@ -132,7 +137,7 @@ def _search_group(layer, group: ScaleGroup, stats: InputStats, calls: list, mode
     if result.scales is None:
         entry["fallback"] = "no scaling beat plain RTN"
         return entry
-    fold_scales(prev, linears, result.scales, expand(result.scales))
+    fold_scales(prev, linears, result.scales, expand(result.scales), rows)
     stats.rescale(expand(result.scales))
     return entry
 

@@ -62,15 +62,18 @@ def head_tying(model_config, prev_out: int, in_features: int) -> Optional[HeadTy
 
 
 @torch.no_grad()
-def fold_scales(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor, columns: torch.Tensor) -> None:
-    """prev's outputs ÷ `s`; each linear's input columns × `columns` (= s expanded to them)."""
+def fold_scales(prev: torch.nn.Module, linears: list[torch.nn.Linear], s: torch.Tensor, columns: torch.Tensor,
+                rows: Optional[slice] = None) -> None:
+    """prev's outputs (those in `rows` when given) ÷ `s`; each linear's input columns × `columns` (= s
+    expanded to them)."""
     s = s.to(prev.weight.device)
+    part = (lambda t: t) if rows is None else (lambda t: t[rows])  # a view: dividing it divides prev
     if isinstance(prev, torch.nn.Linear):
-        prev.weight.div_(s.to(prev.weight.dtype).unsqueeze(1))
+        part(prev.weight).div_(s.to(prev.weight.dtype).unsqueeze(1))
     else:
-        prev.weight.div_(s.to(prev.weight.dtype))
+        part(prev.weight).div_(s.to(prev.weight.dtype))
     bias = getattr(prev, "bias", None)
     if isinstance(bias, torch.Tensor):
-        bias.div_(s.to(bias.dtype))
+        part(bias).div_(s.to(bias.dtype))
     for lin in linears:
         lin.weight.mul_(columns.to(device=lin.weight.device, dtype=lin.weight.dtype))

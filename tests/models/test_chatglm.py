@@ -446,9 +446,9 @@ def test_quantize_export_reload_generate(release, exports, method, fmt):
     assert "auto_map" not in json.loads((export / "tokenizer_config.json").read_text())
     eos = [2, ids["<|user|>"], ids["<|observation|>"]]
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == eos
-    if method == "awq":  # gate_up → down is not a group (see models/chatglm.py)
+    if method == "awq":
         groups = [g["prev"] for g in json.loads((export / "quant_report.json").read_text())["awq"]["blocks"][0]["groups"]]
-        assert groups == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm"]
+        assert groups == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.gate_up_proj"]
 
     # transformers' own GlmForCausalLM (quantkit.load: the export's config through AutoModelForCausalLM).
     x = torch.randint(0, 416, (2, 16), generator=torch.Generator().manual_seed(4))
@@ -552,7 +552,8 @@ def test_plain_glm_checkpoint_engine_and_awq(text_file, tmp_path):
                                             "calib.batch_size": 4, "calib.samples": 8, "calib.seqlen": 32})
     res = quantkit.quantize(loaded, config, calib=str(text_file), work_dir=tmp_path / "q", progress=False)
     groups = json.loads((res.work_dir / "quant_report.json").read_text())["awq"]["blocks"][0]["groups"]
-    assert [g["prev"] for g in groups] == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm"]
+    assert [g["prev"] for g in groups] == ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm",
+                                           "mlp.gate_up_proj"]
     assert "tied_heads" not in groups[1] and not (groups[1]["fallback"] or "").startswith("shapes")  # v, o agree
     x = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -562,3 +563,43 @@ def test_plain_glm_checkpoint_engine_and_awq(text_file, tmp_path):
     engine_out = prefill_logits(load_decoder(res.work_dir, "cpu", torch.float32)[0], [x[0], x[1]])
     for b in range(2):
         assert (engine_out[b] - got[b]).abs().max() / got[b].abs().max() <= 1e-4
+
+
+def test_awq_folds_keep_the_glm_function(monkeypatch):
+    """With quantization switched off, every searched scale folds without changing the logits: the
+    gate_up → down group divides only the up half of gate_up_proj's rows (dividing gate would not cancel)."""
+    from tiny import TINY
+    from transformers import GlmConfig, GlmForCausalLM
+
+    from quantkit.models.registry import spec_for_config
+    from quantkit.quantize import awq as awq_mod
+    from quantkit.quantize.folding import fold_scales
+
+    torch.manual_seed(0)
+    model = GlmForCausalLM(GlmConfig(**TINY, head_dim=16, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.08)
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    # The fold alone, random scales: the MLP's output stays.
+    mlp, x = model.model.layers[0].mlp, torch.randn(3, 64)
+    with torch.no_grad():
+        ref, s = mlp(x), torch.rand(128) + 0.5
+        gate = mlp.gate_up_proj.weight[:128].clone()
+        fold_scales(mlp.gate_up_proj, [mlp.down_proj], s, s, slice(128, 256))
+        assert torch.equal(mlp.gate_up_proj.weight[:128], gate)
+        torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
+        fold_scales(mlp.gate_up_proj, [mlp.down_proj], 1 / s, 1 / s, slice(128, 256))
+    monkeypatch.setattr(awq_mod, "finalize_block", lambda *a, **k: ({}, {}))
+    config = build_config(method="awq", **{"weight.group_size": 32, "awq.n_grid": 8, "awq.search_tokens": 64,
+                                            "calib.batch_size": 4, "awq.propagate": "fp"})
+    report: dict = {}
+    windows = torch.randint(3, 300, (8, 32), generator=torch.Generator().manual_seed(0))
+    awq_mod.awq_quantize(model, spec_for_config(model.config), config, windows, report, progress=False)
+    folded = [(g["prev"], g.get("ratio")) for b in report["awq"]["blocks"] for g in b["groups"] if not g["fallback"]]
+    assert any(prev == "mlp.gate_up_proj" and ratio for prev, ratio in folded), report["awq"]["fallbacks"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)
