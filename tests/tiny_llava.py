@@ -28,12 +28,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def llava_config(next_: bool):
+def llava_config(next_: bool, text: dict | None = None):
+    """The tiny config; `text` overrides fields of the Llama text config (TINY's shapes by default)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaNextConfig
 
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=16)
-    text = LlamaConfig(**TINY)
+    text = LlamaConfig(**{**TINY, **(text or {})})
     common = dict(vision_config=vision, text_config=text, image_token_id=300, vision_feature_layer=-2,
                   vision_feature_select_strategy="default", projector_hidden_act="gelu", tie_word_embeddings=False)
     if next_:
@@ -41,12 +42,12 @@ def llava_config(next_: bool):
     return LlavaConfig(**common)
 
 
-def make_llava(next_: bool, seed: int = 0):
+def make_llava(next_: bool, seed: int = 0, text: dict | None = None):
     from transformers import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 
     torch.manual_seed(seed)
     cls = LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration
-    model = cls(llava_config(next_)).eval()
+    model = cls(llava_config(next_, text)).eval()
     # Spread the weights (as tests/tiny.py does) so that the image changes the answer.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -89,11 +90,11 @@ def to_llava_hf_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tiny_llava(directory: Path, next_: bool = False, seed: int = 0) -> Path:
-    """A tiny llava-hf checkpoint (fp16) with its processor; returns `directory`."""
+def write_tiny_llava(directory: Path, next_: bool = False, seed: int = 0, text: dict | None = None) -> Path:
+    """A tiny llava-hf checkpoint (fp16) with its processor; returns `directory`. `text`: see llava_config."""
     from safetensors.torch import load_file, save_file
 
-    model = make_llava(next_, seed)
+    model = make_llava(next_, seed, text)
     model.half().save_pretrained(str(directory))
     sd = load_file(str(directory / "model.safetensors"))
     hf = to_llava_hf_names(sd)
