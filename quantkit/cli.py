@@ -368,7 +368,7 @@ def api_client(
                                              max_tokens=max_tokens))
 
 
-bench_app = typer.Typer(help="Engine speed on random-weight models of real shapes.", no_args_is_help=True)
+bench_app = typer.Typer(help="Speed: the engine on random-weight models of real shapes (latency, throughput), and any OpenAI-compatible server under load (serve).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 SHAPE = typer.Option("llama2-7b", "--shape", help="llama2-7b, llama3-8b or internlm2-1.8b (random weights).")
 WEIGHTS = typer.Option("w4", "--weights", help="w4 (4-bit, group 128) or fp16.")
