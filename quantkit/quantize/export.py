@@ -95,6 +95,7 @@ def export_config(loaded: LoadedModel, config: QuantizeConfig, kv_cache_scheme: 
         cfg["architectures"] = [type(loaded.model).__name__]
     cfg["torch_dtype"] = "float16"
     cfg["dtype"] = "float16"
+    add_legacy_rope_keys(cfg)
     w = config.weight
     keep = list(loaded.spec.keep_fp)
     if config.resolved_format == "awq":
@@ -107,6 +108,22 @@ def export_config(loaded: LoadedModel, config: QuantizeConfig, kv_cache_scheme: 
     if layout is not None:  # the source's config.json, with this quantization_config
         return layout.config(read_config_json(Path(loaded.source)), cfg["quantization_config"])
     return cfg
+
+
+def add_legacy_rope_keys(cfg: dict[str, Any]) -> None:
+    """transformers 5 writes the rotary settings only as `rope_parameters`; readers on transformers 4 (vLLM
+    and lmdeploy builds among them) know `rope_theta`, `rope_scaling` and `partial_rotary_factor` at the
+    top level and would otherwise take the default base (10,000). Write both spellings."""
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict):
+        return
+    if "rope_theta" in params:
+        cfg.setdefault("rope_theta", params["rope_theta"])
+    if "partial_rotary_factor" in params:
+        cfg.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
+    if params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        cfg.setdefault("rope_scaling", scaling)
 
 
 def source_layout(loaded: LoadedModel) -> Optional[SourceLayout]:
