@@ -47,6 +47,9 @@ def serve(
                                                   "get to finish after SIGTERM before they are aborted "
                                                   "(default: as long as they need)."),
     access_log: bool = typer.Option(False, "--access-log", help="Log one line per HTTP request."),
+    engine_thread: bool = typer.Option(False, "--engine-thread", help="Step the engine in a thread of the HTTP "
+                                       "server's process instead of a process of its own (one process; the "
+                                       "two then share the GIL)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
     """OpenAI-compatible HTTP server on the engine: /v1/chat/completions, /v1/completions, /v1/models,
@@ -65,4 +68,4 @@ def serve(
     run_serve(ServeConfig(model=model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           max_queue=max_queue, tokenizer=tokenizer, engine=engine, allow_origins=allow_origins,
                           shutdown_timeout=shutdown_timeout, access_log=access_log,
-                          log_level="warning" if quiet else "info"))
+                          log_level="warning" if quiet else "info", engine_thread=engine_thread))

@@ -1,8 +1,10 @@
 """`serve(ServeConfig)`: bind the address, load the model, run the app under uvicorn until a signal.
 
 The socket is bound before the model loads, so a busy port is reported at once, not after minutes of
-loading. SIGTERM or Ctrl-C stops accepting connections, lets the running requests finish (at most
-`shutdown_timeout` seconds, then they are aborted), stops the engine loop, and returns: exit code 0.
+loading. The engine runs in a process of its own (engine_process.py), or with `engine_thread` in a
+thread of this one (engine_loop.py). SIGTERM or Ctrl-C stops accepting connections, lets the running
+requests finish (at most `shutdown_timeout` seconds, then they are aborted), stops the engine, and
+returns: exit code 0.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ServeConfig:
     shutdown_timeout: Optional[float] = None    # seconds the running requests get after SIGTERM (None: all)
     access_log: bool = False
     log_level: str = "info"
+    engine_thread: bool = False                 # step the engine in a thread of this process (for comparison)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -91,16 +94,21 @@ def serve(config: ServeConfig) -> None:
     except ImportError as exc:
         raise UserError(f"quantkit serve needs the serve extra ({exc.name} is missing): "
                         "pip install 'quantkit[serve]'") from None
+    from quantkit.server.engine_loop import EngineLoop
     from quantkit.server.engine_process import EngineProcess
-    from quantkit.server.model_source import check_model_arg
+    from quantkit.server.model_source import check_model_arg, load_engine
 
     check_model_arg(config.model)
     sock = bind(config.host, config.port)
     url = url_of(sock)
     print(f"quantkit serve: loading {config.model}; will answer at {url}", flush=True)
-    backend = EngineProcess(config.model, config.engine, config.tokenizer)
     try:
-        info = backend.launch()
+        if config.engine_thread:
+            backend = EngineLoop(load_engine(config.model, config.engine, config.tokenizer))
+            info = backend.info
+        else:
+            backend = EngineProcess(config.model, config.engine, config.tokenizer)
+            info = backend.launch()
     except BaseException:
         sock.close()
         raise
@@ -129,7 +137,8 @@ def serve(config: ServeConfig) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sock.close()
-        backend.shutdown()   # stopped with the app already; killed if it is still there
+        if isinstance(backend, EngineProcess):
+            backend.shutdown()   # stopped with the app already; killed if it is still there
     if not server.started:
         raise UserError(f"the server did not start at {url} (see the lines above)")
     print("quantkit serve: stopped", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ and the random-weight models `quantkit serve random:SHAPE:WEIGHTS` builds, with 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from types import SimpleNamespace
 
@@ -136,3 +137,52 @@ def test_random_model_with_byte_tokenizer():
     out = engine.generate([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=5, temperature=0,
                                                                              ignore_eos=True), progress=False)[0]
     assert len(out.token_ids) == 5 and out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_app_over_an_engine_thread(chat_model_dir):
+    """The app over an in-process Engine (quantkit serve --engine-thread): served by uvicorn in a thread
+    of this process; a streamed and a whole answer agree, a client leaving frees its blocks."""
+    import socket
+    import threading
+
+    import requests
+    import uvicorn
+
+    from quantkit.engine import Engine, EngineConfig
+    from quantkit.server.app import AppSettings, create_app
+
+    engine = Engine(chat_model_dir, EngineConfig(device="cpu", num_kv_tokens=1024))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, AppSettings(served_model_name="m")),
+                                           log_level="warning", lifespan="on"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        body = {"model": "m", "messages": [{"role": "user", "content": "the cache"}], "max_tokens": 8, "seed": 4,
+                "ignore_eos": True}
+        whole = requests.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+        r = requests.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+        chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == \
+            whole["choices"][0]["message"]["content"]
+        leaving = requests.post(url + "/v1/chat/completions", stream=True, timeout=60,
+                                json={**body, "max_tokens": 200, "stream": True})
+        next(leaving.iter_lines())
+        assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+        leaving.close()
+        for _ in range(200):
+            if engine.block_manager.num_free_blocks == engine.block_manager.num_blocks:
+                break
+            time.sleep(0.05)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert not engine.has_unfinished_requests()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
