@@ -1,7 +1,7 @@
-"""The FastAPI app: OpenAI's routes over one EngineLoop, the chat page, health and metrics.
+"""The FastAPI app: OpenAI's routes over one engine backend (engine_loop.py), the chat page, health, metrics.
 
     GET  /                      the chat page (static/chat.html)
-    GET  /health                200 while the engine loop runs, 503 once it failed
+    GET  /health                200 while the engine runs, 503 once it failed
     GET  /metrics               Prometheus text (metrics.py)
     GET  /v1/models             the served model
     POST /v1/chat/completions   chat: the tokenizer's chat template, streamed (SSE) or whole; image_url parts
