@@ -25,6 +25,10 @@ from quantkit.kernels.paged_kv import PagedKV
 log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Token counts around which the quantized linears change kernel configuration (kernels/dispatch.py picks
+# by M bucket) or Triton its specialization (an integer argument divisible by 16 or not): the warm-up
+# runs a forward at each bound and one below it, so no request meets a kernel compiled on first sight.
+WARMUP_BOUNDS = (8, 16, 32, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_KV_TOKENS = 8192
 
 
@@ -96,12 +100,12 @@ class ModelRunner:
     def _cuda_pool_tokens(self) -> int:
         """cache_max_entry_count × the memory free after the weights and a warm-up forward of the largest
         step (its activations stay reserved: the pool must leave room for them)."""
-        if self.config.num_kv_tokens:
-            return self.config.num_kv_tokens
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup()
         torch.cuda.synchronize(self.device)
+        if self.config.num_kv_tokens:
+            return self.config.num_kv_tokens
         free, _ = torch.cuda.mem_get_info(self.device)
         reusable = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
@@ -114,19 +118,22 @@ class ModelRunner:
     def _warmup(self) -> None:
         """One forward of a step as large as the scheduler may make (attention over its own tokens: no
         pool exists yet) and the logits of as many sequences as a step samples, so their activations
-        count in the peak."""
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        count in the peak; then smaller forwards at the WARMUP_BOUNDS token counts, which compile the
+        kernels every later step size needs (a first sight costs a request ≈ 1 s of compilation)."""
+        largest = min(self.config.max_num_batched_tokens, self.max_model_len)
+        counts = sorted({c for b in WARMUP_BOUNDS for c in (b - 1, b) if 1 < c < largest}, reverse=True)
         self.model.set_kv_caches([None] * self.num_layers)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(tokens, device=self.device)
-        set_metadata(AttnMetadata(
-            slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-            query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False))
-        try:
-            self.model.compute_logits(self.model(ids, positions)[-min(self.config.max_num_seqs, tokens):])
-        finally:
-            set_metadata(None)
+        for tokens in [largest] + counts:
+            ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+            positions = torch.arange(tokens, device=self.device)
+            set_metadata(AttnMetadata(
+                slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+                context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+                query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False))
+            try:
+                self.model.compute_logits(self.model(ids, positions)[-min(self.config.max_num_seqs, tokens):])
+            finally:
+                set_metadata(None)
 
     # --- one step ---------------------------------------------------------------------------------
 

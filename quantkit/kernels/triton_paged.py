@@ -32,6 +32,7 @@ from quantkit.kernels.launch import KeptKernel
 LOG2E = 1.4426950408889634
 MIN_SCALE = 2.0**-14
 QMAX = {8: 255, 4: 15}
+MAX_PARTITIONS = 64
 
 
 @triton.jit
@@ -295,7 +296,7 @@ def num_partitions(batch: int, kv_heads: int, max_tokens: int, device: torch.dev
     """Partitions per (sequence, kv head): enough for about 4 programs per SM, at most one per tile of
     the longest context the block table can hold, and at most 64. Depends on no context length."""
     want = math.ceil(4 * _sm_count(device) / (batch * kv_heads))
-    return max(1, min(want, math.ceil(max_tokens / block_n), 64))
+    return max(1, min(want, math.ceil(max_tokens / block_n), MAX_PARTITIONS))
 
 
 def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens: Tensor, sm_scale: float,
@@ -332,6 +333,8 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
         group, max(16, triton.next_power_of_2(group)), d // 2, max(16, triton.next_power_of_2(d // 2)),
         cache.block_size, block_n, bits, split), num_warps=num_warps)
     if split:
-        _MERGE((batch * heads,), (part_out, part_m, part_l, out, partitions, d, triton.next_power_of_2(partitions),
+        # BLOCK_P fixed at the most partitions there are (64): one compiled merge for every batch size, so an
+        # eager step with a new number of decodes compiles nothing
+        _MERGE((batch * heads,), (part_out, part_m, part_l, out, partitions, d, MAX_PARTITIONS,
                                   triton.next_power_of_2(d)), num_warps=4)
     return out
