@@ -205,8 +205,9 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_a = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
     acc_b = tl.zeros([BLOCK_G, BLOCK_HALF], tl.float32)
-    if BITS != 16:  # Σ_channels q, for the zero points folded out of q·k (below)
-        q_sum = tl.sum(q_a.to(tl.float32), axis=1) + tl.sum(q_b.to(tl.float32), axis=1)
+    # Σ_channels q, for the zero points folded out of q·k (quantized K, below); computed for every format, as
+    # a value defined under a constexpr branch only cannot enter the loop's carried values.
+    q_sum = tl.sum(q_a.to(tl.float32), axis=1) + tl.sum(q_b.to(tl.float32), axis=1)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end

@@ -34,9 +34,13 @@ SCRIPT = textwrap.dedent("""
     for bits in (16, 8, 4):
         codes, zero = ("*fp16", "*fp16") if bits == 16 else ("*u8", "*u8")
         cache = {"kc_ptr": codes, "vc_ptr": codes, "ks_ptr": "*fp16", "kz_ptr": zero, "vs_ptr": "*fp16", "vz_ptr": zero}
-        write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", **cache, "kv_heads": "i32",
+        static = {"fks_ptr": "*fp16", "fkz_ptr": zero, "fvs_ptr": "*fp16", "fvz_ptr": zero}
+        write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", **cache, **static, "kv_heads": "i32",
                  "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"}
-        build(tp.write_kv_kernel, write, dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, BITS=bits), num_warps=4)
+        for fixed in ((False, True) if bits != 16 else (False,)):  # STATIC: the checkpoint's per-head scales
+            build(tp.write_kv_kernel, write, dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, BITS=bits, STATIC=fixed),
+                  num_warps=4)
+            count += 1
         decode = {"q_ptr": "*fp16", **cache, "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*fp16",
                   "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32",
                   "kv_heads": "i32", "heads": "i32", "partitions": "i32", "stride_qb": "i32", "stride_qh": "i32",
@@ -44,9 +48,9 @@ SCRIPT = textwrap.dedent("""
         for split in (False, True):
             build(tp.decode_kernel, decode, dict(GROUP=4, BLOCK_G=16, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16,
                                                  BLOCK_N=64, BITS=bits, SPLIT=split), num_warps=4)
-        count += 3
+        count += 2
     build(tp.merge_kernel, {"part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                            "out_ptr": "*fp16", "partitions": "i32"}, dict(D=128, BLOCK_P=32, BLOCK_D=128), num_warps=4)
+                            "out_ptr": "*fp16", "partitions": "i32"}, dict(D=128, BLOCK_P=tp.MAX_PARTITIONS, BLOCK_D=128), num_warps=4)
     for residual in (False, True):
         build(tf.rms_norm_kernel, {"x_ptr": "*fp16", "res_ptr": "*fp16", "w_ptr": "*fp16", "out_ptr": "*fp16",
                                    "h_ptr": "*fp16", "n": "i32", "stride_x": "i32", "stride_r": "i32", "eps": "fp32"},
@@ -69,4 +73,4 @@ def test_engine_kernels_compile_for_hopper():
     if proc.returncode and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip("this Triton install has no ptxas to assemble for sm_90")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "15"
+    assert proc.stdout.split()[-1] == "17"
