@@ -43,7 +43,7 @@ def text_file(tmp_path_factory) -> Path:
 
 
 # Folders whose tests run tiny models: one thread is far faster than several on shared cores.
-_ONE_THREAD = {"quantize", "engine", "runtime"}
+_ONE_THREAD = {"quantize", "engine", "runtime", "models"}
 
 
 @pytest.fixture(autouse=True)

@@ -54,14 +54,6 @@ TOKENIZER_CONFIG = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def baichuan_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     h, ff, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]

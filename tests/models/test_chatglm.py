@@ -62,14 +62,6 @@ SPECIALS = ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|
 NORMALIZER = {"normalization_rule_name": "identity", "remove_extra_whitespaces": False}  # newlines and spaces kept
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def chatglm_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under ChatGLM's names and shapes."""
     g = torch.Generator().manual_seed(seed)

@@ -49,14 +49,6 @@ CONFIG = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --- the vocabulary: tiktoken ranks trained here, and tiktoken's encoding as the oracle -------------------
 
 def training_text() -> str:
