@@ -10,8 +10,9 @@ q_A·k_A + q_B·k_B, and p·v fills the output's A and B channels separately.
 
 Decode attention (flash-decoding): one program per (sequence, kv head, partition). The program holds
 the query heads that share its kv head (GQA; padded to 16 rows for tl.dot) and walks its share of the
-context in tiles of BLOCK_N tokens, looking up each token's block in the block table, dequantizing
-int8/int4 codes in registers, with an online softmax. A sequence's context is split evenly over the
+context in tiles of BLOCK_N tokens, looking up each token's block in the block table, with an online
+softmax. int8/int4 codes enter the dot products as they are (small integers, exact in fp16/bf16); each
+token's scale and zero apply once per token outside them: q·k = s·(q·c − z·Σq), p·v = (p·s)·c − Σ(p·s)·z. A sequence's context is split evenly over the
 launch's partitions at run time, so the grid depends only on the batch size and the cache, never on
 the context lengths: the launch is the same in every replay of a CUDA graph. With more than one
 partition a second small kernel merges the partial results (each kept with its running max and sum).
@@ -140,36 +141,21 @@ def write_kv(cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
 
 
 @triton.jit
-def _load_tile(codes_ptr, scale_ptr, zero_ptr, row, offs_i, mask, nmask, out_dtype: tl.constexpr,
-               HALF: tl.constexpr, BITS: tl.constexpr):
-    """Halves A and B [BLOCK_N, BLOCK_HALF] of K or V for cache rows `row` (slot * kv_heads + head)."""
+def _load_raw(codes_ptr, row, offs_i, mask, HALF: tl.constexpr, BITS: tl.constexpr):
+    """Halves A and B [BLOCK_N, BLOCK_HALF] of K or V as stored (fp16 values, or int8/int4 codes as uint8)."""
     if BITS == 4:
         byte = tl.load(codes_ptr + row[:, None] * HALF + offs_i[None, :], mask=mask, other=0)
-        a, b = byte & 0x0F, byte >> 4
+        return byte & 0x0F, byte >> 4
     else:
         base = codes_ptr + row[:, None] * (2 * HALF) + offs_i[None, :]
-        a = tl.load(base, mask=mask, other=0)
-        b = tl.load(base + HALF, mask=mask, other=0)
-    if BITS == 16:
-        return a.to(out_dtype), b.to(out_dtype)
-    else:
-        scale = tl.load(scale_ptr + row, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        zero = tl.load(zero_ptr + row, mask=nmask, other=0).to(tl.float32)[:, None]
-        return (((a.to(tl.float32) - zero) * scale).to(out_dtype),
-                ((b.to(tl.float32) - zero) * scale).to(out_dtype))
+        return tl.load(base, mask=mask, other=0), tl.load(base + HALF, mask=mask, other=0)
 
 
 @triton.jit
 def _load_codes(codes_ptr, row, offs_i, mask, out_dtype: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr):
-    """Halves A and B [BLOCK_N, BLOCK_HALF] of int8/int4 codes for cache rows `row`, as `out_dtype` values
-    (0…255 or 0…15: exact in fp16/bf16), not dequantized."""
-    if BITS == 4:
-        byte = tl.load(codes_ptr + row[:, None] * HALF + offs_i[None, :], mask=mask, other=0)
-        a, b = byte & 0x0F, byte >> 4
-    else:
-        base = codes_ptr + row[:, None] * (2 * HALF) + offs_i[None, :]
-        a = tl.load(base, mask=mask, other=0)
-        b = tl.load(base + HALF, mask=mask, other=0)
+    """Halves A and B of int8/int4 codes for cache rows `row`, as `out_dtype` values (0…255 or 0…15: exact
+    in fp16/bf16), not dequantized."""
+    a, b = _load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
     # through fp32: the interpreter turns uint8 straight into bfloat16 wrongly (the GPU takes either)
     return a.to(tl.float32).to(out_dtype), b.to(tl.float32).to(out_dtype)
 
@@ -215,7 +201,7 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * kv_heads + kvh
         mask = nmask[:, None] & imask[None, :]
         if BITS == 16:
-            k_a, k_b = _load_tile(kc_ptr, ks_ptr, kz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
+            k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's
             s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
         else:
             # Quantized K, dequantized outside the tile: q·((c − z)·s) = s·(q·c − z·Σq). The codes go into
@@ -232,7 +218,7 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BITS == 16:
-            v_a, v_b = _load_tile(vc_ptr, vs_ptr, vz_ptr, row, offs_i, mask, nmask, dtype, HALF, BITS)
+            v_a, v_b = _load_raw(vc_ptr, row, offs_i, mask, HALF, BITS)
             p16 = p.to(dtype)
             acc_a = acc_a * alpha[:, None] + tl.dot(p16, v_a)
             acc_b = acc_b * alpha[:, None] + tl.dot(p16, v_b)
