@@ -13,10 +13,9 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, TextIO
 
+from quantkit.console import chat_loop
 from quantkit.engine.config import SamplingParams
 from quantkit.engine.llm_engine import Engine
-
-HELP = "type a message; 'clear' starts a new conversation, 'exit' leaves; Ctrl-C stops an answer"
 
 
 class ChatSession:
@@ -67,34 +66,7 @@ def _sigint_sets(event: threading.Event) -> Iterator[None]:
 def run_chat(engine: Engine, params: SamplingParams, system: Optional[str] = None,
              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
     """Read messages from `stdin` until `exit` (or end of input), answering each on `stdout`."""
-    session = ChatSession(engine, params, system)
-
-    def write(text: str) -> None:
-        stdout.write(text)
-        stdout.flush()
-
-    write(HELP + "\n")
-    while True:
-        write("\n>>> ")
-        try:
-            line = stdin.readline()
-        except KeyboardInterrupt:
-            write("\n")
-            return
-        if not line:  # end of input
-            write("\n")
-            return
-        text = line.strip()
-        if not text:
-            continue
-        if text == "exit":
-            return
-        if text == "clear":
-            session.clear()
-            write("(new conversation)\n")
-            continue
-        session.answer(text, write)
-        write("\n")
+    chat_loop(ChatSession(engine, params, system), stdin, stdout)
 
 
 def chat(model: str, config, params: SamplingParams, system: Optional[str] = None) -> None:

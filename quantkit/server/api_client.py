@@ -19,8 +19,7 @@ from typing import Iterator, Optional, TextIO
 from urllib.parse import urlsplit
 
 from quantkit.config import UserError
-
-HELP = "type a message; 'clear' starts a new conversation, 'exit' leaves; Ctrl-C stops an answer"
+from quantkit.console import chat_loop
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # one silent gap this long (a long prompt on a slow server) ends the answer
 
@@ -260,42 +259,8 @@ def run_api_client(session: ApiChatSession, stdin: Optional[TextIO] = None, stdo
     """Read messages from `stdin` until `exit` (or end of input, or Ctrl-C at the prompt), answering each
     on `stdout`; a failed turn prints one `error:` line on `stderr` and the conversation goes on.
     (Defaults: the sys streams of the moment of the call.)"""
-    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-
-    def write(text: str) -> None:
-        stdout.write(text)
-        stdout.flush()
-
-    write(HELP + "\n")
-    while True:
-        write("\n>>> ")
-        try:
-            line = stdin.readline()
-        except KeyboardInterrupt:
-            write("\n")
-            return
-        if not line:
-            write("\n")
-            return
-        text = line.strip()
-        if not text:
-            continue
-        if text == "exit":
-            return
-        if text == "clear":
-            session.clear()
-            write("(new conversation)\n")
-            continue
-        try:
-            session.answer(text, write)
-        except ServerError as exc:
-            write("\n")
-            stderr.write(f"error: {exc}\n")
-            stderr.flush()
-            continue
-        except KeyboardInterrupt:  # a second Ctrl-C before the answer's own handler ran: still one answer
-            write(" [stopped]")
-        write("\n")
+    chat_loop(session, stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr,
+              turn_errors=(ServerError,), interrupt_stops_answer=True)
 
 
 def api_client(url: str, api_key: Optional[str] = None, options: Optional[ChatOptions] = None) -> None:
