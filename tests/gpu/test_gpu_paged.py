@@ -90,6 +90,35 @@ def test_write_equals_reference(monkeypatch, shape, bits):
             assert torch.equal(out, ref), (name, int((diff > 0).sum()), float(diff.max()))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_static_write_equals_reference(monkeypatch, shape, bits):
+    """The write with static per-head scales (paged_kv.static_scales from calibrated ranges): the same
+    codes as the reference, and every written slot holds its head's scale and zero."""
+    from quantkit.kernels.paged_kv import static_scales
+
+    _, kv_heads, d = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(10 + bits)
+    k = (torch.randn(3000, kv_heads, d, generator=g, device="cuda") * 2).half()
+    v = torch.randn(3000, kv_heads, d, generator=g, device="cuda").half()
+    ranges = [torch.rand(kv_heads, d, generator=g, device="cuda") * 3 + 0.5 for _ in range(4)]
+    static = static_scales(-ranges[0], ranges[1], -ranges[2], ranges[3], bits)
+    slots = torch.randperm(200 * BLOCK, generator=g, device="cuda")[:3000]
+    slots[::97] = -1
+    caches = []
+    for path in ("reference", "triton"):
+        monkeypatch.setenv("QUANTKIT_KERNEL", path)
+        caches.append(PagedKV.allocate(200, BLOCK, kv_heads, d, bits, torch.float16, "cuda", static=static))
+        write_kv(caches[-1], k, v, slots)
+    torch.cuda.synchronize()
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+        ref, out = getattr(caches[0], name), getattr(caches[1], name)
+        diff = (out.int() - ref.int()).abs() if not out.is_floating_point() else (out.float() - ref.float()).abs()
+        assert torch.equal(out, ref), (name, int((diff > 0).sum()), float(diff.max()))
+    written = slots[slots >= 0]
+    assert (caches[1].k_scale.view(-1, kv_heads)[written] == static[0]).all()
+
+
 @pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("batch,longest", [(1, 100), (1, 4096), (1, 8192), (32, 100), (32, 4096), (32, 8192)])
 @pytest.mark.parametrize("shape", list(SHAPES))
