@@ -74,7 +74,8 @@ class SamplingParams:
     the logits of tokens in the output once, or once per occurrence. `stop` strings end the generation and
     are not part of its text. `logprobs` k returns the chosen token's log-probability and the k most likely
     (0: the chosen only). `eos_token_ids` are the model's end tokens (filled from the generation config);
-    they stop generation unless `ignore_eos`, while `stop_token_ids` always do.
+    they stop generation unless `ignore_eos`, while `stop_token_ids` always do. `min_tokens` (vLLM's): no
+    end or stop token can be drawn before that many tokens are out (stop strings still apply).
     """
 
     max_tokens: Optional[int] = None
@@ -91,6 +92,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     eos_token_ids: Optional[list[int]] = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +134,8 @@ class SamplingParams:
         """One-line errors for settings no sampler can honour."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"max_tokens {self.max_tokens} must be ≥ 1.")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ConfigError(f"min_tokens {self.min_tokens} must be in [0, max_tokens ({self.max_tokens})].")
         if self.temperature is not None and self.temperature < 0:
             raise ConfigError(f"temperature {self.temperature} must be ≥ 0 (0 is greedy).")
         if self.top_p is not None and not 0 < self.top_p <= 1:

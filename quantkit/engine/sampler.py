@@ -1,6 +1,6 @@
 """Sampler: the next token of every sequence of a step, each with its own settings, in one batch on the device.
 
-Order, as transformers applies its processors: penalties on the raw logits, then greedy rows take the
+Order, as transformers applies its processors: end/stop tokens held back until min_tokens, penalties, then greedy rows take the
 argmax; the others divide by their temperature, keep their top-k, then their top-p nucleus, drop tokens
 under min_p × the top probability, and draw from what is left. A draw is argmax(p / q) with q ~ Exp(1)
 (the exponential race, equal in law to sampling from p); a seeded request draws its q from its own
@@ -51,6 +51,19 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def hold_back_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """-inf on the end and stop tokens of the sequences that have fewer than their min_tokens out. Returns
+    logits itself when none has, else a masked copy."""
+    rows = [i for i, s in enumerate(seqs) if s.params.min_tokens > s.num_output_tokens and s.stop_ids]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        ids = torch.tensor(sorted(seqs[i].stop_ids), dtype=torch.long, device=logits.device)
+        logits[i, ids[ids < logits.shape[1]]] = float("-inf")
+    return logits
+
+
 def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
     """[len(token_lists), vocab] float32: how many times each token occurs in each list."""
     width = max((len(t) for t in token_lists), default=0)
@@ -89,7 +102,7 @@ class Sampler:
         per-sequence TokenLogprobs or None where the request did not ask)."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         raw = logits
-        logits = apply_penalties(logits, seqs)
+        logits = apply_penalties(hold_back_stops(logits, seqs), seqs)
         temps = [s.params.temperature for s in seqs]
         greedy_ids = logits.argmax(dim=1)
         if all(t < GREEDY_BELOW for t in temps):

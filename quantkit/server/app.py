@@ -177,7 +177,8 @@ class Server:
                 top_k=None if req.top_k is None else max(req.top_k, 0), min_p=req.min_p,
                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, seed=seed, stop=req.stop or [],
-                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs)
+                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
+                min_tokens=min(req.min_tokens, limit))
             eos = getattr(self.tokenizer, "eos_token_id", None)
             return sp.with_defaults(self.info.generation_config, eos)
         except UserError as exc:

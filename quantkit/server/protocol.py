@@ -68,6 +68,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, gt=0)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
 

@@ -164,3 +164,26 @@ def test_bad_sampling_settings_are_refused(bad):
 def test_bad_engine_settings_are_refused(bad):
     with pytest.raises(ConfigError):
         EngineConfig(**bad)
+
+
+def test_min_tokens_holds_back_end_and_stop_tokens_until_reached():
+    """EOS (7) and a stop token (9) lead every row by far; rows short of their min_tokens draw neither, greedy
+    or sampled; a row that has reached it (or asks none) draws EOS."""
+    logits = random_logits(4)
+    logits[:, 7] = 50.0
+    logits[:, 9] = 40.0
+    seqs = [seq(output=(1, 2), temperature=0.0, min_tokens=3, eos_token_ids=[7], stop_token_ids=[9]),
+            seq(output=(1, 2), temperature=1.0, seed=3, min_tokens=5, eos_token_ids=[7], stop_token_ids=[9]),
+            seq(output=(1, 2, 3), temperature=0.0, min_tokens=3, eos_token_ids=[7]),
+            seq(temperature=0.0, eos_token_ids=[7])]
+    tokens, logprobs = Sampler()(logits, seqs)
+    held = logits[0].clone()
+    held[[7, 9]] = float("-inf")
+    assert tokens[0].item() == held.argmax().item()
+    assert tokens[1].item() not in (7, 9)
+    assert tokens[2:].tolist() == [7, 7]
+
+
+def test_min_tokens_beyond_max_tokens_is_refused():
+    with pytest.raises(ConfigError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5).validate()

@@ -172,3 +172,16 @@ def test_chat_page_is_served(qk_server):
     r = requests.get(qk_server.url + "/", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "<html" in r.text.lower() and "v1/chat/completions" in r.text   # the page calls this server
+
+
+def test_min_tokens_holds_back_a_stop_token(qk_server, chat_tokenizer):
+    body = {"prompt": "the model", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    full = post(qk_server.url, "/v1/completions", body)["choices"][0]["text"]
+    token = chat_tokenizer(full, add_special_tokens=False)["input_ids"][0]  # one of the answer's tokens
+    stopped = post(qk_server.url, "/v1/completions", {**body, "stop_token_ids": [token]})
+    at = stopped["usage"]["completion_tokens"]  # where it first comes
+    assert stopped["choices"][0]["finish_reason"] == "stop" and at <= 6
+    held = post(qk_server.url, "/v1/completions", {**body, "stop_token_ids": [token], "min_tokens": at + 2})
+    assert held["usage"]["completion_tokens"] >= at + 2
+    too_many = requests.post(qk_server.url + "/v1/completions", json={**body, "min_tokens": 9}, timeout=60)
+    assert too_many.status_code == 400 and "min_tokens" in too_many.json()["error"]["message"]
