@@ -1,0 +1,279 @@
+"""Do quantkit's exports of the families it converts without remote code load in vLLM, and does vLLM decode
+them as quantkit does?
+
+    python -m bench.interop_families_vllm --vllm-python /tmp/vllm-venv/bin/python [--tokens 24]
+        [--families qwen,baichuan,chatglm3,llava,llava_next] [--formats awq,compressed-tensors] [--json out.json]
+
+Installs nothing: `--vllm-python` is a Python that has vLLM (see bench/interop_vllm.py for the CPU build and
+its torchvision). Each family's tiny random checkpoint is written in the family's *original* layout by the
+tests' own writers (tests/models/test_qwen.py, test_baichuan.py, test_chatglm.py, tests/tiny_llava.py), scaled
+to vLLM's CPU W4A16 kernel (hidden 128, heads of 32 dims, intermediate and vocabulary multiples of 32):
+
+- qwen: Qwen-7B-Chat's layout (transformer.h.N.attn.c_attn, qwen.tiktoken, remote-code files) → Qwen2ForCausalLM.
+- baichuan: Baichuan2-7B-Chat's (W_pack, NormHead, pytorch_model.bin, tokenizer.model) → LlamaForCausalLM.
+- chatglm3: chatglm3-6b-32k's (query_key_value, dense_h_to_4h, rope_ratio 50, multi-query groups) → GlmForCausalLM.
+- llava / llava_next: llava-hf's (CLIP tower + Llama, processor) → the same architecture, the language model
+  quantized, the vision parts named in modules_to_not_convert (awq) or ignore (compressed-tensors).
+
+Each is quantized by `quantkit.quantize` (AWQ, W4 g32) into each format, decoded greedily in float16 by
+quantkit (`quantkit.load` + `generate`, the torch reference path; LLaVA's image prompt through the export's
+processor) and by vLLM (`vllm.LLM(path, enforce_eager=True, dtype="float16")`, one subprocess per export with
+a timeout, bench/lib/vllm_family_job.py), from the same token ids (LLaVA's image prompt as text + image: vLLM's
+processor expands the image token). The KV cache is unquantized on both sides (compressed-tensors exports
+carry fp8 KV scales; bench/interop_vllm.py covers vLLM's fp8 cache). A row passes when the export loads and
+every prompt's 24 tokens are quantkit's, or first differ where quantkit's top two logits are within `TIE`
+(a tie at fp16 resolution). Exits non-zero otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+sys.path.insert(0, str(TESTS))  # the tests' writers, tiny tokenizer and text (no download)
+
+from bench.interop_vllm import AWQ, PROMPTS, TIE, first_mismatch, quantkit_greedy, top2_gap  # noqa: E402
+from tiny import make_sentencepiece_tokenizer, make_text  # noqa: E402
+
+import quantkit  # noqa: E402
+from quantkit.config import build_config  # noqa: E402
+
+FAMILIES = ("qwen", "baichuan", "chatglm3", "llava", "llava_next")
+FORMATS = ("awq", "compressed-tensors")
+DTYPE = "float16"  # vLLM's CPU W4A16 kernel runs in half precision
+IMAGE_PROMPT = "describe the cache"
+TEXT = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _test_module(rel: str):
+    """A test file imported by path (its writers and configs), not collected by pytest."""
+    path = TESTS / rel
+    spec = importlib.util.spec_from_file_location("_interop_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_qwen(d: Path) -> Path:
+    """Qwen-7B-Chat as published (the test's fixture, scaled: 4 heads of 32, intermediate 512 → MLP 256)."""
+    from safetensors.torch import save_file
+
+    t = _test_module("models/test_qwen.py")
+    cfg = {**t.CONFIG, "hidden_size": 128, "kv_channels": 32, "intermediate_size": 512, "num_attention_heads": 4}
+    d.mkdir(parents=True)
+    ranks = t.train_ranks(t.training_text(), t.N_MERGES)
+    (d / "qwen.tiktoken").write_text("".join(f"{base64.b64encode(k).decode()} {r}\n" for k, r in ranks.items()))
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(t.qwen_weights(cfg), str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "model_max_length": 8192, "tokenizer_class": "QWenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]}}))
+    end = len(ranks)
+    (d / "generation_config.json").write_text(json.dumps({"chat_format": "chatml", "eos_token_id": end,
+                                                          "pad_token_id": end, "max_window_size": 6144}))
+    for name in t.REMOTE_FILES:
+        (d / name).write_text(t.REMOTE_CODE)
+    return d
+
+
+def write_baichuan(d: Path) -> Path:
+    """Baichuan2-7B-Chat as published (the test's fixture, scaled; the vocabulary padded to 416 rows)."""
+    import sentencepiece as spm
+
+    t = _test_module("models/test_baichuan.py")
+    make_sentencepiece_tokenizer(d, add_dummy_prefix=False, normalization_rule_name="identity",
+                                 remove_extra_whitespaces=False, split_digits=True, control_symbols=t.ROLE_PIECES)
+    (d / "tokenizer.vocab").unlink()
+    for f in ("tokenizer.json", "special_tokens_map.json"):  # Baichuan ships only tokenizer.model
+        (d / f).unlink(missing_ok=True)
+    sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+    vocab = -(-sp.get_piece_size() // 32) * 32
+    cfg = {**t.CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "vocab_size": vocab}
+    torch.save(t.baichuan_weights(cfg), d / "pytorch_model.bin")
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    (d / "tokenizer_config.json").write_text(json.dumps(t.TOKENIZER_CONFIG, indent=2))
+    user, assistant = (sp.piece_to_id(p) for p in t.ROLE_PIECES)
+    (d / "generation_config.json").write_text(json.dumps({"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                                          "user_token_id": user, "assistant_token_id": assistant}))
+    for name in t.REMOTE_FILES:
+        (d / name).write_text(t.REMOTE_CODE)
+    return d
+
+
+def write_chatglm3(d: Path) -> Path:
+    """chatglm3-6b-32k as published (the test's writer: 4 heads of 32, 2 multi-query groups, rope_ratio 50)."""
+    t = _test_module("models/test_chatglm.py")
+    cfg = {**t.TINY_CHATGLM3, "hidden_size": 128, "kv_channels": 32, "num_attention_heads": 4,
+           "ffn_hidden_size": 256, "padded_vocab_size": 416}
+    make_sentencepiece_tokenizer(d.parent / "chatglm_sp", **t.NORMALIZER)
+    return t.write_release(d, cfg, t.chatglm_tensors(cfg), d.parent / "chatglm_sp")
+
+
+def write_llava(d: Path, next_: bool) -> Path:
+    from tiny_llava import write_tiny_llava
+
+    return write_tiny_llava(d, next_=next_, seed=1 if next_ else 0, text=TEXT)
+
+
+WRITERS = {"qwen": write_qwen, "baichuan": write_baichuan, "chatglm3": write_chatglm3,
+           "llava": lambda d: write_llava(d, False), "llava_next": lambda d: write_llava(d, True)}
+
+
+class ImagePrompt:
+    """LLaVA's image prompt: the chat template's text and one image, as quantkit's reference feeds them."""
+
+    def __init__(self, export: Path, image_file: Path) -> None:
+        from PIL import Image
+        from transformers import AutoProcessor
+
+        from tiny_llava import messages
+
+        self.processor = AutoProcessor.from_pretrained(str(export))
+        self.text = self.processor.apply_chat_template(messages(IMAGE_PROMPT), add_generation_prompt=True,
+                                                       tokenize=False)
+        self.image = Image.open(image_file).convert("RGB")
+        self.image_file = image_file
+
+    def inputs(self, extra: list[int] = ()) -> dict:
+        x = dict(self.processor(text=self.text, images=[self.image], return_tensors="pt"))
+        x["pixel_values"] = x["pixel_values"].to(torch.float16)
+        if extra:
+            x["input_ids"] = torch.cat([x["input_ids"], torch.tensor([list(extra)])], dim=1)
+            x["attention_mask"] = torch.ones_like(x["input_ids"])
+        return x
+
+    def greedy(self, model, tokens: int) -> list[int]:
+        x = self.inputs()
+        y = model.generate(**x, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return y[0, x["input_ids"].shape[1]:].tolist()
+
+    def gap(self, model, extra: list[int]) -> float:
+        with torch.no_grad():
+            top = model(**self.inputs(extra)).logits[0, -1].float().topk(2).values
+        return float(top[0] - top[1])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens the two answers share before they first differ."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def run_vllm(python: str, job: dict, work: Path, timeout: float) -> dict:
+    """One export in its own vLLM process; the error's line when it does not load, decode or finish."""
+    stem = job["name"].replace("/", "_")
+    job_file, result_file, log = work / f"{stem}.job.json", work / f"{stem}.result.json", work / f"{stem}.vllm.log"
+    job_file.write_text(json.dumps(job))
+    result_file.unlink(missing_ok=True)
+    try:
+        with open(log, "w") as out:
+            subprocess.run([python, str(ROOT / "bench" / "lib" / "vllm_family_job.py"), str(job_file),
+                            str(result_file)], stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=str(work))
+    except subprocess.TimeoutExpired:
+        return {"tokens": None, "error": f"timed out after {timeout:.0f} s (log: {log})", "vllm": "?"}
+    if not result_file.is_file():
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return {"tokens": None, "error": f"crashed: {tail[0]} (log: {log})", "vllm": "?"}
+    return json.loads(result_file.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
+    ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    ap.add_argument("--timeout", type=float, default=420, help="seconds for one vLLM load and decode")
+    ap.add_argument("--work", type=Path, default=None, help="where the models go (default: a temporary directory)")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = ap.parse_args()
+    families, formats = args.families.split(","), args.formats.split(",")
+    if bad := [f for f in families if f not in FAMILIES] + [f for f in formats if f not in FORMATS]:
+        ap.error(f"unknown family or format: {', '.join(bad)}")
+    work = args.work or Path(tempfile.mkdtemp(prefix="interop_families_"))
+    work.mkdir(parents=True, exist_ok=True)
+    calib = [make_text(400, seed) for seed in range(8)]
+    rows, failed = [], False
+    for family in families:
+        t0 = time.perf_counter()
+        shutil.rmtree(work / f"{family}-src", ignore_errors=True)
+        src = WRITERS[family](work / f"{family}-src")
+        for fmt in formats:
+            out = work / f"{family}-{fmt}"
+            quantkit.quantize(str(src), build_config(method="awq", format=fmt, **AWQ), calib=calib,
+                              work_dir=out, overwrite=True, progress=False)
+            cfg = json.loads((out / "config.json").read_text())
+            model, tok = quantkit.load(out, device="cpu", dtype=getattr(torch, DTYPE))
+            if family.startswith("llava"):
+                from tiny_llava import make_image
+
+                make_image(2, (70, 50)).save(work / "image.png")
+                image = ImagePrompt(out, work / "image.png")
+                tok = image.processor.tokenizer
+            ids = [tok(p)["input_ids"] for p in PROMPTS]
+            want = quantkit_greedy(model, ids, args.tokens)
+            prompts: list = list(ids)
+            if family.startswith("llava"):
+                want.append(image.greedy(model, args.tokens))
+                prompts.append({"text": image.text, "image": str(image.image_file)})
+            kv = "auto" if "kv_cache_scheme" not in cfg["quantization_config"] else DTYPE
+            name = f"{family}/{fmt}"
+            print(f"{name}: quantized and decoded with quantkit in {time.perf_counter() - t0:.0f} s", flush=True)
+            t1 = time.perf_counter()
+            got = run_vllm(args.vllm_python, {"name": name, "path": str(out), "prompts": prompts,
+                                              "tokens": args.tokens, "dtype": DTYPE, "kv_cache_dtype": kv},
+                           work, args.timeout)
+            print(f"{name}: vLLM {time.perf_counter() - t1:.0f} s, {'loaded' if got['error'] is None else got['error']}",
+                  flush=True)
+            ok, equal, first = got["error"] is None, "-", "-"
+            if got["tokens"] is not None:
+                equal = ", ".join(str(common_prefix(g, w)) for g, w in zip(got["tokens"], want))
+                where = first_mismatch(got["tokens"], want)
+                if where is not None:
+                    p, t = where
+                    if isinstance(prompts[p], dict):
+                        gap = image.gap(model, want[p][:t])
+                    else:
+                        gap = top2_gap(model, prompts[p] + want[p][:t])
+                    tie = gap <= TIE
+                    first = f"prompt {p} token {t} (top-2 gap {gap:.4f}: {'a tie' if tie else 'not a tie'})"
+                    ok = ok and tie
+            rows.append({"family": family, "format": fmt, "architectures": cfg["architectures"],
+                         "quant_method": cfg["quantization_config"]["quant_method"], "kv_cache_dtype": kv,
+                         "error": got["error"], "equal": equal, "first_mismatch": first, "ok": ok,
+                         "vllm": got.get("vllm", "?"), "quantkit_tokens": want, "vllm_tokens": got["tokens"],
+                         "prompts": len(prompts)})
+            failed |= not ok
+            del model
+    version = next((r["vllm"] for r in rows if r["vllm"] != "?"), "?")
+    print(f"\nvLLM {version} (CPU), AWQ W4 g32, greedy, {args.tokens} tokens per prompt, dtype {DTYPE}; "
+          f"LLaVA's last prompt has one image\n")
+    print("| family | format | exported as | loads in vLLM | tokens equal before the first difference (of {0}, per prompt) | first difference |"
+          .format(args.tokens))
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        loads = "yes" if r["error"] is None else f"no: {r['error'][:160]}"
+        print(f"| {r['family']} | {r['format']} | {r['architectures'][0]} | {loads} | {r['equal']} | "
+              f"{r['first_mismatch']} |")
+    if args.json:
+        args.json.write_text(json.dumps({"vllm": version, "rows": rows}, indent=1))
+    print(f"\nmodels and vLLM logs in {work}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

