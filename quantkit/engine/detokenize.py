@@ -13,7 +13,7 @@ may be the start of a stop string.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from quantkit.engine.sequence import Sequence
 
@@ -21,9 +21,31 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for i
 INCOMPLETE = "\ufffd"
 
 
+def token_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids → text as `tokenizer.decode(ids, skip_special_tokens=…, clean_up_tokenization_spaces=False)`.
+
+    For a transformers fast tokenizer whose class keeps the base decode, that is exactly its Rust
+    tokenizer's decode: called directly, without the Python wrapper's argument handling (≈ 2× faster;
+    two calls per token and sequence add up at large batches)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the wrapper it is
+        TokenizersBackend = PreTrainedTokenizerBase = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and backend is not None
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and type(tokenizer).decode is PreTrainedTokenizerBase.decode):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> None:
         self.tokenizer, self.seq, self.skip_special_tokens = tokenizer, seq, skip_special_tokens
+        self.decode = token_decoder(tokenizer, skip_special_tokens)
+        self._prefix: tuple[int, int, str] = (-1, -1, "")  # (start, end, text) of the last prefix decoded
         self.prefix_offset = max(seq.num_prompt_tokens - CONTEXT_TOKENS, 0)
         self.read_offset = seq.num_prompt_tokens   # tokens before this are in `text`
         self.num_seen = seq.num_prompt_tokens      # tokens before this have been given to the decoder
@@ -67,13 +89,15 @@ class IncrementalDetokenizer:
         return seq.finish_reason == "stop" and not by_string and seq.token_ids[-1] in seq.stop_ids
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.seq.token_ids[start:end], skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.decode(self.seq.token_ids[start:end])
 
     def _decode_new(self, end: int, flush: bool) -> str:
         """Text of tokens[read_offset:end] in the context of tokens[prefix_offset:read_offset]; '' while it
         ends in an incomplete character (unless flushing: the sequence ended)."""
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        start, stop, prefix_text = self._prefix
+        if (start, stop) != (self.prefix_offset, self.read_offset):  # the window moved: decode its prefix
+            prefix_text = self._decode(self.prefix_offset, self.read_offset)
+            self._prefix = (self.prefix_offset, self.read_offset, prefix_text)
         new_text = self._decode(self.prefix_offset, end)
         if len(new_text) <= len(prefix_text) and not flush:
             return ""
