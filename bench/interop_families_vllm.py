@@ -44,11 +44,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))  # the tests' writers, tiny tokenizer and text (no download)
 
-from bench.interop_vllm import AWQ, PROMPTS, TIE, first_mismatch, quantkit_greedy, top2_gap  # noqa: E402
-from tiny import make_sentencepiece_tokenizer, make_text  # noqa: E402
+from tiny import make_sentencepiece_tokenizer, make_text
 
-import quantkit  # noqa: E402
-from quantkit.config import build_config  # noqa: E402
+import quantkit
+from bench.interop_vllm import (
+    AWQ,
+    PROMPTS,
+    TIE,
+    first_mismatch,
+    quantkit_greedy,
+    top2_gap,
+)
+from quantkit.config import build_config
 
 FAMILIES = ("qwen", "baichuan", "chatglm3", "llava", "llava_next")
 FORMATS = ("awq", "compressed-tensors")
@@ -136,18 +143,21 @@ class ImagePrompt:
 
     def __init__(self, export: Path, image_file: Path) -> None:
         from PIL import Image
-        from transformers import AutoProcessor
-
         from tiny_llava import messages
+        from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(export))
         self.text = self.processor.apply_chat_template(messages(IMAGE_PROMPT), add_generation_prompt=True,
                                                        tokenize=False)
         self.image = Image.open(image_file).convert("RGB")
         self.image_file = image_file
+        self.saved: dict | None = None  # another processor's tensors for the same prompt, when given
 
     def inputs(self, extra: list[int] = ()) -> dict:
-        x = dict(self.processor(text=self.text, images=[self.image], return_tensors="pt"))
+        if self.saved is not None:
+            x = {k: v for k, v in self.saved.items() if isinstance(v, torch.Tensor)}
+        else:
+            x = dict(self.processor(text=self.text, images=[self.image], return_tensors="pt"))
         x["pixel_values"] = x["pixel_values"].to(torch.float16)
         if extra:
             x["input_ids"] = torch.cat([x["input_ids"], torch.tensor([list(extra)])], dim=1)
@@ -158,6 +168,17 @@ class ImagePrompt:
         x = self.inputs()
         y = model.generate(**x, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         return y[0, x["input_ids"].shape[1]:].tolist()
+
+    def greedy_other(self, model, tokens: int) -> list[int]:
+        """The answer with another image (this environment's processor): a control that the image is read."""
+        from tiny_llava import make_image
+
+        saved, image = self.saved, self.image
+        self.saved, self.image = None, make_image(3, (60, 80))
+        try:
+            return self.greedy(model, tokens)
+        finally:
+            self.saved, self.image = saved, image
 
     def gap(self, model, extra: list[int]) -> float:
         with torch.no_grad():
@@ -182,7 +203,8 @@ def run_vllm(python: str, job: dict, work: Path, timeout: float) -> dict:
     try:
         with open(log, "w") as out:
             subprocess.run([python, str(ROOT / "bench" / "lib" / "vllm_family_job.py"), str(job_file),
-                            str(result_file)], stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=str(work))
+                            str(result_file)], stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=str(work),
+                           check=False)
     except subprocess.TimeoutExpired:
         return {"tokens": None, "error": f"timed out after {timeout:.0f} s (log: {log})", "vllm": "?"}
     if not result_file.is_file():
@@ -227,19 +249,40 @@ def main() -> int:
             ids = [tok(p)["input_ids"] for p in PROMPTS]
             want = quantkit_greedy(model, ids, args.tokens)
             prompts: list = list(ids)
+            job = {}
             if family.startswith("llava"):
-                want.append(image.greedy(model, args.tokens))
+                want.append(image.greedy(model, args.tokens))  # this environment's processor (PIL here)
                 prompts.append({"text": image.text, "image": str(image.image_file)})
+                job["save_inputs"] = str(work / f"{family}-{fmt}.vllm_inputs.pt")
+                Path(job["save_inputs"]).unlink(missing_ok=True)
             kv = "auto" if "kv_cache_scheme" not in cfg["quantization_config"] else DTYPE
             name = f"{family}/{fmt}"
             print(f"{name}: quantized and decoded with quantkit in {time.perf_counter() - t0:.0f} s", flush=True)
             t1 = time.perf_counter()
-            got = run_vllm(args.vllm_python, {"name": name, "path": str(out), "prompts": prompts,
-                                              "tokens": args.tokens, "dtype": DTYPE, "kv_cache_dtype": kv},
+            got = run_vllm(args.vllm_python, {**job, "name": name, "path": str(out), "prompts": prompts,
+                                              "tokens": args.tokens, "dtype": DTYPE, "kv_cache_dtype": kv,
+                                              "texts": PROMPTS},
                            work, args.timeout)
             print(f"{name}: vLLM {time.perf_counter() - t1:.0f} s, {'loaded' if got['error'] is None else got['error']}",
                   flush=True)
-            ok, equal, first = got["error"] is None, "-", "-"
+            ok, equal, first, note = got["error"] is None, "-", "-", ""
+            if job and Path(job["save_inputs"]).is_file():
+                # The image prompt's reference decodes from the pixels vLLM's environment made (its processor
+                # may resize differently from this one's); quantkit on its own pixels is reported beside it.
+                own = want[-1]
+                image.saved = torch.load(job["save_inputs"])[0]
+                mine = image.processor(text=image.text, images=[image.image], return_tensors="pt")["input_ids"]
+                same_ids = image.saved["input_ids"][0].tolist() == mine[0].tolist()
+                want[-1] = image.greedy(model, args.tokens)
+                other = image.greedy_other(model, args.tokens)
+                note = (f"image prompt: vLLM env's {image.saved['processor']} pixels; quantkit on its own "
+                        f"{type(image.processor.image_processor).__name__} pixels shares "
+                        f"{common_prefix(own, want[-1])} of {args.tokens} tokens with them"
+                        f"{'' if same_ids else '; the two processors give different prompt ids'}; another image "
+                        f"{'changes' if other != want[-1] else 'does NOT change'} quantkit's answer")
+            encoded = got.get("encoded")
+            same_tok = "-" if not encoded else "yes" if encoded == ids else "no"
+            ok = ok and same_tok != "no"
             if got["tokens"] is not None:
                 equal = ", ".join(str(common_prefix(g, w)) for g, w in zip(got["tokens"], want))
                 where = first_mismatch(got["tokens"], want)
@@ -256,21 +299,24 @@ def main() -> int:
                          "quant_method": cfg["quantization_config"]["quant_method"], "kv_cache_dtype": kv,
                          "error": got["error"], "equal": equal, "first_mismatch": first, "ok": ok,
                          "vllm": got.get("vllm", "?"), "quantkit_tokens": want, "vllm_tokens": got["tokens"],
-                         "prompts": len(prompts)})
+                         "prompts": len(prompts), "note": note, "same_tokenizer": same_tok})
             failed |= not ok
             del model
     version = next((r["vllm"] for r in rows if r["vllm"] != "?"), "?")
     print(f"\nvLLM {version} (CPU), AWQ W4 g32, greedy, {args.tokens} tokens per prompt, dtype {DTYPE}; "
           f"LLaVA's last prompt has one image\n")
-    print("| family | format | exported as | loads in vLLM | tokens equal before the first difference (of {0}, per prompt) | first difference |"
-          .format(args.tokens))
-    print("|---|---|---|---|---|---|")
+    print("| family | format | exported as | loads in vLLM | vLLM's tokenizer encodes the prompts as quantkit's | "
+          f"tokens equal before the first difference (of {args.tokens}, per prompt) | first difference |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         loads = "yes" if r["error"] is None else f"no: {r['error'][:160]}"
-        print(f"| {r['family']} | {r['format']} | {r['architectures'][0]} | {loads} | {r['equal']} | "
+        print(f"| {r['family']} | {r['format']} | {r['architectures'][0]} | {loads} | {r['same_tokenizer']} | {r['equal']} | "
               f"{r['first_mismatch']} |")
     if args.json:
         args.json.write_text(json.dumps({"vllm": version, "rows": rows}, indent=1))
+    for r in rows:
+        if r["note"]:
+            print(f"{r['family']}/{r['format']}: {r['note']}")
     print(f"\nmodels and vLLM logs in {work}")
     return 1 if failed else 0
 

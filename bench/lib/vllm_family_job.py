@@ -8,7 +8,7 @@ list of token ids or {"text": str, "image": path of an image file} (a multimodal
 processor expands the text's image token). The export is loaded with `vllm.LLM(path, enforce_eager=True, …)`
 and decoded greedily (ignore_eos: every prompt gets `tokens` tokens). RESULT.json receives the generated ids
 per prompt, the architecture vLLM resolved, the load time and, when the export did not load or decode, the
-error's last line.
+error's message. With "texts", RESULT.json also holds how vLLM's tokenizer encodes each. With "save_inputs" (a path), the processor's tensors for each image prompt are saved there.
 """
 
 from __future__ import annotations
@@ -30,9 +30,25 @@ def _prompt(p):
     return {"prompt": p["text"], "multi_modal_data": {"image": Image.open(p["image"]).convert("RGB")}}
 
 
+def save_processor_inputs(job: dict) -> None:
+    """What this environment's processor (the one vLLM loads: AutoProcessor, its default backend) makes of
+    each image prompt, saved for the caller's reference to decode from the same pixels."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(job["path"])
+    saved = [{"processor": type(processor.image_processor).__name__,
+              **dict(processor(text=p["text"], images=[Image.open(p["image"]).convert("RGB")], return_tensors="pt"))}
+             for p in job["prompts"] if isinstance(p, dict)]
+    torch.save(saved, job["save_inputs"])
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    if job.get("save_inputs"):
+        save_processor_inputs(job)
     t0 = time.perf_counter()
     llm = LLM(job["path"], enforce_eager=True, dtype=job["dtype"], kv_cache_dtype=job["kv_cache_dtype"],
               max_model_len=256, seed=0, kv_cache_memory_bytes=64 << 20)  # a small fixed cache: the host is shared
@@ -40,24 +56,28 @@ def run(job: dict) -> dict:
     arch = llm.llm_engine.model_config.architectures
     params = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
     outs = llm.generate([_prompt(p) for p in job["prompts"]], params, use_tqdm=False)
-    return {"name": job["name"], "tokens": [list(o.outputs[0].token_ids) for o in outs],
+    tokenizer = llm.get_tokenizer()
+    encoded = [tokenizer(t)["input_ids"] for t in job.get("texts", [])]
+    return {"name": job["name"], "tokens": [list(o.outputs[0].token_ids) for o in outs], "encoded": encoded,
             "prompt_tokens": [list(o.prompt_token_ids) for o in outs], "architectures": arch,
             "load_s": round(load_s, 1), "error": None}
 
 
 def main() -> None:
-    job = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
     try:
         import vllm
 
         version = vllm.__version__
         result = run(job)
-    except BaseException as exc:  # reported in the table: an export vLLM refuses is a finding, not a crash
+    except Exception as exc:  # noqa: BLE001 (reported in the table: an export vLLM refuses is a finding, not a crash)
         traceback.print_exc()
         version = sys.modules["vllm"].__version__ if "vllm" in sys.modules else "?"
         result = {"name": job["name"], "tokens": None, "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
     result["vllm"] = version
-    json.dump(result, open(sys.argv[2], "w"), indent=1)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
