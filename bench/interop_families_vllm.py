@@ -19,7 +19,9 @@ its own pixels is reported beside it. Each family's tiny random checkpoint is wr
 tests' own writers (tests/models/test_qwen.py, test_baichuan.py, test_chatglm.py, tests/tiny_llava.py), scaled
 to vLLM's CPU W4A16 kernel (hidden 128, heads of 32 dims, intermediate and vocabulary multiples of 32):
 
-- qwen: Qwen-7B-Chat's layout (transformer.h.N.attn.c_attn, qwen.tiktoken, remote-code files) → Qwen2ForCausalLM.
+- qwen: Qwen-7B-Chat's layout (transformer.h.N.attn.c_attn, qwen.tiktoken, remote-code files) → Qwen2ForCausalLM;
+  a 4th prompt runs past seq_length (64), where Qwen's own code scales attention by log(position) (logn):
+  neither vLLM nor quantkit.load (transformers' Qwen2) does, quantkit's engine does; its answer is reported.
 - baichuan: Baichuan2-7B-Chat's (W_pack, NormHead, pytorch_model.bin, tokenizer.model) → LlamaForCausalLM.
 - chatglm3: chatglm3-6b-32k's (query_key_value, dense_h_to_4h, rope_ratio 50, multi-query groups) → GlmForCausalLM.
 - llava / llava_next: llava-hf's (CLIP tower + Llama, processor) → the same architecture, the language model
@@ -66,6 +68,7 @@ from bench.interop_vllm import (
     top2_gap,
 )
 from quantkit.config import build_config
+from quantkit.engine import Engine, EngineConfig, SamplingParams
 
 FAMILIES = ("qwen", "baichuan", "chatglm3", "llava", "llava_next")
 FORMATS = ("awq", "compressed-tensors")
@@ -259,8 +262,11 @@ def main() -> int:
                 image = ImagePrompt(out, work / "image.png")
                 tok = image.processor.tokenizer
             ids = [tok(p)["input_ids"] for p in PROMPTS]
-            want = quantkit_greedy(model, ids, args.tokens)
-            prompts: list = list(ids)
+            extra = []
+            if family == "qwen":  # one prompt past seq_length, where Qwen's own code scales attention (logn)
+                extra = [tok(make_text(80, 11))["input_ids"][:cfg["logn_attention_length"] + 24]]
+            want = quantkit_greedy(model, ids + extra, args.tokens)
+            prompts: list = ids + extra
             job = {}
             if family.startswith("llava"):
                 want.append(image.greedy(model, args.tokens))  # this environment's processor (PIL here)
@@ -292,8 +298,16 @@ def main() -> int:
                         f"{common_prefix(own, want[-1])} of {args.tokens} tokens with them"
                         f"{'' if same_ids else '; the two processors give different prompt ids'}; another image "
                         f"{'changes' if other != want[-1] else 'does NOT change'} quantkit's answer")
+            if extra and got["tokens"] is not None:
+                engine = Engine(out, EngineConfig(device="cpu", dtype=getattr(torch, DTYPE), num_kv_tokens=1024,
+                                                  cuda_graphs=False))
+                params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+                logn = engine.generate(extra, params, progress=False)[0].token_ids
+                note = (f"prompt {len(ids)} ({len(extra[0])} tokens, past seq_length {cfg['logn_attention_length']}): "
+                        f"quantkit's engine, which applies Qwen's logn attention there, shares "
+                        f"{common_prefix(logn, got['tokens'][-1])} of {args.tokens} tokens with vLLM")
             encoded = got.get("encoded")
-            same_tok = "-" if not encoded else "yes" if encoded == ids else "no"
+            same_tok = "-" if not encoded else "yes" if encoded == ids else "no"  # PROMPTS only
             ok = ok and same_tok != "no"
             if got["tokens"] is not None:
                 equal = ", ".join(str(common_prefix(g, w)) for g, w in zip(got["tokens"], want))
