@@ -82,12 +82,16 @@ def baichuan_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory) -> tuple[Path, dict, dict]:
+    return write_baichuan_release(tmp_path_factory.mktemp("baichuan") / "Baichuan2-7B-Chat")
+
+
+def write_baichuan_release(src: Path) -> tuple[Path, dict, dict]:
     """Baichuan2-7B-Chat as shipped: pytorch_model.bin, the remote .py files (failing loudly if run), a
     sentencepiece model with Baichuan2's settings (no normalization, no dummy prefix, digits split, byte
-    fallback) whose role pieces are control symbols, and the generation_config.json naming them."""
+    fallback) whose role pieces are control symbols, and the generation_config.json naming them.
+    (src, its config, its tensors)."""
     import sentencepiece as spm
 
-    src = tmp_path_factory.mktemp("baichuan") / "Baichuan2-7B-Chat"
     make_sentencepiece_tokenizer(src, add_dummy_prefix=False, normalization_rule_name="identity",
                                  remove_extra_whitespaces=False, split_digits=True, control_symbols=ROLE_PIECES)
     (src / "tokenizer.vocab").unlink()

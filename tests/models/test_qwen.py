@@ -146,9 +146,13 @@ def qwen_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def qwen_release(tmp_path_factory) -> tuple[Path, dict[bytes, int]]:
+    return write_qwen_release(tmp_path_factory.mktemp("qwen") / "Qwen-7B-Chat")
+
+
+def write_qwen_release(src: Path) -> tuple[Path, dict[bytes, int]]:
+    """Qwen-7B-Chat as shipped, scaled down, in the new directory `src`: (src, the tiktoken ranks)."""
     from safetensors.torch import save_file
 
-    src = tmp_path_factory.mktemp("qwen") / "Qwen-7B-Chat"
     src.mkdir()
     ranks = train_ranks(training_text(), N_MERGES)
     assert len(ranks) + len(qwen.SPECIAL_TOKENS) <= VOCAB
