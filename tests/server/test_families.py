@@ -4,7 +4,9 @@ served by the real app over an in-thread engine, as `quantkit serve EXPORT --eng
 in a thread of this process, a free port on 127.0.0.1), and asked a system + two-turn chat, greedy, whole
 and streamed. The answer is the engine's own greedy answer; the prompt the server counts is the family's
 chat format built by hand (Qwen's ChatML through the tiktoken oracle, Baichuan2's build_chat_input,
-ChatGLM3's build_chat_input); the engine stops at the family's end-of-turn tokens."""
+ChatGLM3's build_chat_input); the engine stops at the family's end-of-turn tokens. What the engine process of
+a plain `quantkit serve` sends back (tokenizer, generation config) survives the pipe for every family, and
+the command itself, `quantkit serve EXPORT --port 0`, answers the same on the ChatGLM3 export."""
 
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import requests
@@ -197,3 +199,39 @@ def test_serve_answers_a_chat_as_the_engine_does(family, one_thread):
         assert chunks[-1]["usage"]["prompt_tokens"] == len(want_ids)
         assert chunks[-1]["usage"]["completion_tokens"] == len(want.token_ids)
     assert not [m for m in sys.modules if m.startswith(REMOTE_PREFIXES)]
+
+
+def test_engine_info_crosses_to_the_engine_process(family):
+    """What `quantkit serve` (the engine in a process of its own) sends the HTTP side: the tokenizer and the
+    generation config, pickled; they encode the chat and hold the stop tokens as the engine's own do."""
+    import pickle
+
+    from quantkit.server.engine_loop import EngineInfo
+
+    engine = Engine(family.export, EngineConfig(device="cpu", num_kv_tokens=512))
+    info = pickle.loads(pickle.dumps(EngineInfo.of(engine)))
+    assert encode_chat(info.tokenizer, MESSAGES) == family.prompt_ids(MESSAGES)
+    assert list(info.generation_config.eos_token_id) == family.stop_ids
+
+
+@pytest.mark.parametrize("family", ["chatglm3"], indirect=True)
+def test_quantkit_serve_command_on_the_export(family, one_thread, tmp_path):
+    """`quantkit serve EXPORT --port 0` itself (the CLI, the engine in its own process), on one family (a
+    process start costs ~10 s; the others' exports differ from it only in what the test above checks):
+    the same whole answer."""
+    from serve_process import ServerProcess
+
+    engine = Engine(family.export, EngineConfig(device="cpu", num_kv_tokens=512))
+    want = engine.generate([family.prompt_ids(MESSAGES)], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                           progress=False)[0]
+    del engine
+    server = ServerProcess(str(family.export), "--num-kv-tokens", "512", "--quiet", log=tmp_path / "serve.log")
+    try:
+        r = requests.post(server.url + "/v1/chat/completions", timeout=120,
+                          json={"messages": MESSAGES, "temperature": 0, "max_tokens": MAX_TOKENS})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["message"]["content"] == want.text
+        assert out["usage"]["prompt_tokens"] == len(family.prompt_ids(MESSAGES))
+    finally:
+        assert server.stop() == 0, server.output()[-3000:]
