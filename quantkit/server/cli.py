@@ -19,6 +19,9 @@ def serve(
                                                  "(`model` field, /v1/models) (default: the directory's name)."),
     kv_bits: int = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and "
                                 "head)."),
+    kv_scales: str = typer.Option("online", "--kv-scales", help="With --kv-bits 8/4: online (each token's own "
+                                  "scale and zero per head) or static (the per-head scales of the model's "
+                                  "quantkit/kv_stats.safetensors, from quantkit kv-calibrate or quantkit awq)."),
     cache_max_entry_count: float = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of the GPU memory "
                                                 "free after the weights that the KV pool takes."),
     num_kv_tokens: int | None = typer.Option(None, "--num-kv-tokens", help="KV pool size in tokens, instead of "
@@ -61,7 +64,8 @@ def serve(
 
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
     check_device(device)
-    engine = EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, num_kv_tokens=num_kv_tokens,
+    engine = EngineConfig(kv_bits=kv_bits, kv_scales=kv_scales, cache_max_entry_count=cache_max_entry_count,
+                          num_kv_tokens=num_kv_tokens,
                           max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, device=device, cuda_graphs=cuda_graphs,
                           enable_prefix_caching=prefix_caching)

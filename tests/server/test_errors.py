@@ -198,6 +198,7 @@ def test_bad_command_lines_are_one_line_errors(chat_model_dir, tmp_path):
             ((str(chat_model_dir), "--kv-bits", "5", "--port", "0"), "--kv-bits 5"),
             ((str(tmp_path / "missing"), "--port", "0"), "not found"),
             ((str(chat_model_dir), "--port", str(busy.getsockname()[1])), "cannot listen"),
+            ((str(chat_model_dir), "--kv-scales", "bogus", "--port", "0"), "--kv-scales 'bogus'"),
         ]
         for args, words in cases:
             start = time.monotonic()
@@ -209,6 +210,14 @@ def test_bad_command_lines_are_one_line_errors(chat_model_dir, tmp_path):
             assert time.monotonic() - start < 60      # refused before any model is loaded
     finally:
         busy.close()
+
+
+def test_static_kv_scales_without_statistics_is_one_line(chat_model_dir):
+    proc = _cli(str(chat_model_dir), "--kv-bits", "8", "--kv-scales", "static", "--port", "0", "--device", "cpu")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and "kv-calibrate" in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
 
 
 def test_serve_config_and_model_argument_checks(tmp_path):
