@@ -257,8 +257,8 @@ def _has_pdl(device: torch.device) -> bool:
     """Whether to use programmatic dependent launch (griddepcontrol, NVIDIA sm_90 and later): only with
     QUANTKIT_PDL=1. It speeds up back-to-back GEMVs (4–20 % at M ≤ 16), but in the graphed decode
     step, where a GEMV follows kernels that never trigger early, it measured 0.98× (paired median;
-    0.96–1.13×) when interleaved with it off on one machine (bench/KERNELS_NOTES.md, item 81), so it is
-    off by default."""
+    0.96–1.13×) when interleaved with it off on one machine (bench/KERNELS_NOTES.md has the measurement),
+    so it is off by default."""
     if os.environ.get("QUANTKIT_PDL", "0") != "1" or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

@@ -12,6 +12,7 @@ thread, one `call_soon_threadsafe` per engine step. Two backends:
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import threading
@@ -89,8 +90,9 @@ class EngineInfo:
                    getattr(engine, "vision", None) is not None)
 
 
-class EngineClient:
-    """The event loop's side of a backend: the sinks of the requests in flight and their delivery."""
+class EngineClient(abc.ABC):
+    """The event loop's side of a backend: the sinks of the requests in flight and their delivery. A backend
+    (EngineLoop: a thread; EngineProcess: a process) says how commands reach its engine and how it is doing."""
 
     info: EngineInfo
 
@@ -99,15 +101,18 @@ class EngineClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.error: Optional[str] = None             # set once the engine failed: the server reports unhealthy
 
+    @abc.abstractmethod
     def _send(self, command: tuple) -> None:
-        raise NotImplementedError
+        """Deliver one command (add, abort, stop) to the engine's side."""
 
+    @abc.abstractmethod
     def stats(self) -> dict:
-        raise NotImplementedError
+        """The engine's counters (Engine.stats) as last known."""
 
     @property
+    @abc.abstractmethod
     def alive(self) -> bool:
-        raise NotImplementedError
+        """Whether the engine's side still runs."""
 
     @property
     def num_in_flight(self) -> int:
