@@ -179,8 +179,6 @@ class ModelRunner:
         return StepInputs(ids_d, pos_d, meta, rows_d, sampled, step_embeds(batch, self.device))
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
-        if step.input_embeds is None:
-            return self.model(step.input_ids, step.positions)
         return self.model(step.input_ids, step.positions, input_embeds=step.input_embeds)
 
     @torch.no_grad()
