@@ -5,7 +5,9 @@ its token i lives at slot = block_table[i // block_size] * block_size + i % bloc
 stored as the model's dtype (bits 16) or as integer codes (bits 8 or 4) with one fp16 scale and one
 uint8 zero per token per head beside them, asymmetric as lmdeploy's quant_policy 8/4: a code
 q = clamp(round(x / s) + z, 0, 2^b − 1) reads back as (q − z) · s. Int4 codes are packed two per byte
-along head_dim, the low nibble holding the even channel.
+along head_dim, the low nibble holding the even channel. Codes are [block, token, head, channel]; scales
+and zeros [block, head, token], so that the block_size tokens of one head that a kernel's tile reads
+have their scales side by side (one 32-byte load per block, not one per token).
 
 The scale and zero of a token are its own row's range (online), or, when the cache holds static
 per-head scales (`PagedKV.static`, from calibration statistics), that head's fixed scale and zero:
@@ -44,8 +46,8 @@ class PagedKV:
 
     k: Tensor  # bits 16: [num_blocks, block_size, kv_heads, head_dim] model dtype; 8: uint8 same; 4: uint8 head_dim/2
     v: Tensor
-    k_scale: Optional[Tensor]  # bits 8/4: fp16 [num_blocks, block_size, kv_heads]; None for 16
-    k_zero: Optional[Tensor]  # bits 8/4: uint8 [num_blocks, block_size, kv_heads]
+    k_scale: Optional[Tensor]  # bits 8/4: fp16 [num_blocks, kv_heads, block_size]; None for 16
+    k_zero: Optional[Tensor]  # bits 8/4: uint8 [num_blocks, kv_heads, block_size]
     v_scale: Optional[Tensor]
     v_zero: Optional[Tensor]
     bits: int
@@ -76,8 +78,9 @@ class PagedKV:
 
         if bits == 16:
             return PagedKV(codes(), codes(), None, None, None, None, 16)
-        scale = lambda: torch.zeros(shape, dtype=torch.float16, device=device)  # noqa: E731
-        zero = lambda: torch.zeros(shape, dtype=torch.uint8, device=device)  # noqa: E731
+        per_head = (num_blocks, kv_heads, block_size)
+        scale = lambda: torch.zeros(per_head, dtype=torch.float16, device=device)  # noqa: E731
+        zero = lambda: torch.zeros(per_head, dtype=torch.uint8, device=device)  # noqa: E731
         return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits, static)
 
     @staticmethod
@@ -87,6 +90,11 @@ class PagedKV:
         if bits == 16:
             return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         return 2 * kv_heads * (head_dim * bits // 8 + 3)
+
+    def by_slot(self, which: str) -> tuple[Tensor, Tensor]:
+        """The scale and zero of K or V ("k" / "v") as views [num_blocks, block_size, kv_heads]: indexed by
+        block and offset like the codes (bits 8/4 only)."""
+        return getattr(self, which + "_scale").transpose(1, 2), getattr(self, which + "_zero").transpose(1, 2)
 
     @property
     def num_blocks(self) -> int:
@@ -201,8 +209,9 @@ def write_kv(cache: PagedKV, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None
         else:
             q, s, z = quantize_static(x, *fixed, cache.bits)
         flat[slots] = pack_int4(q) if cache.bits == 4 else q
-        scale.view(-1, scale.shape[2])[slots] = s
-        zero.view(-1, zero.shape[2])[slots] = z
+        blocks, offsets = slots // cache.block_size, slots % cache.block_size
+        scale[blocks, :, offsets] = s
+        zero[blocks, :, offsets] = z
 
 
 def _read(cache: PagedKV, which: str, blocks: Tensor, dtype: torch.dtype) -> Tensor:
@@ -210,7 +219,7 @@ def _read(cache: PagedKV, which: str, blocks: Tensor, dtype: torch.dtype) -> Ten
     codes = getattr(cache, which)[blocks]
     if cache.bits == 16:
         return codes.to(dtype)
-    scale, zero = getattr(cache, which + "_scale")[blocks], getattr(cache, which + "_zero")[blocks]
+    scale, zero = (t[blocks] for t in cache.by_slot(which))
     return dequantize(codes, scale, zero, cache.bits, dtype)
 
 

@@ -56,9 +56,15 @@ def _halves(offs_i, HALF: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _scale_index(block, offset, kv_head, kv_heads, block_size):
+    """Element of a token's scale or zero: they are stored [block, kv head, token] (paged_kv.PagedKV)."""
+    return (block * kv_heads + kv_head) * block_size + offset
+
+
+@triton.jit
 def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_ptr, fixed_scale_ptr, fixed_zero_ptr,
-               kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr,
-               STATIC: tl.constexpr):
+               kv_heads, block_size, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               BITS: tl.constexpr, STATIC: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_HALF)
     hmask = offs_h < kv_heads
@@ -95,23 +101,24 @@ def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_pt
             dst = codes_ptr + row[:, None] * (2 * HALF)
             tl.store(dst + ca[None, :], qa, mask=mask)
             tl.store(dst + cb[None, :], qb, mask=mask)
-        tl.store(scale_ptr + row, scale.to(tl.float16), mask=hmask)
-        tl.store(zero_ptr + row, zero.to(tl.uint8), mask=hmask)
+        at = _scale_index(slot // block_size, slot % block_size, offs_h, kv_heads, block_size)
+        tl.store(scale_ptr + at, scale.to(tl.float16), mask=hmask)
+        tl.store(zero_ptr + at, zero.to(tl.uint8), mask=hmask)
 
 
 @triton.jit
 def write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-                    fks_ptr, fkz_ptr, fvs_ptr, fvz_ptr, kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                    fks_ptr, fkz_ptr, fvs_ptr, fvz_ptr, kv_heads, block_size, stride_kt, stride_kh, stride_vt, stride_vh,
                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BITS: tl.constexpr,
                     STATIC: tl.constexpr):
     """One program per token; f*_ptr are the static per-head scales and zeros (read when STATIC)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        _write_one(k_ptr, stride_kt, stride_kh, t, slot, kc_ptr, ks_ptr, kz_ptr, fks_ptr, fkz_ptr, kv_heads, HALF,
-                   BLOCK_H, BLOCK_HALF, BITS, STATIC)
-        _write_one(v_ptr, stride_vt, stride_vh, t, slot, vc_ptr, vs_ptr, vz_ptr, fvs_ptr, fvz_ptr, kv_heads, HALF,
-                   BLOCK_H, BLOCK_HALF, BITS, STATIC)
+        _write_one(k_ptr, stride_kt, stride_kh, t, slot, kc_ptr, ks_ptr, kz_ptr, fks_ptr, fkz_ptr, kv_heads,
+                   block_size, HALF, BLOCK_H, BLOCK_HALF, BITS, STATIC)
+        _write_one(v_ptr, stride_vt, stride_vh, t, slot, vc_ptr, vs_ptr, vz_ptr, fvs_ptr, fvz_ptr, kv_heads,
+                   block_size, HALF, BLOCK_H, BLOCK_HALF, BITS, STATIC)
 
 
 # Launched through KeptKernel (launch.py): after the first launch with a signature, the compiled kernel is
@@ -135,7 +142,7 @@ def write_kv(cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     static = getattr(cache, "static", None)
     fixed = static if static is not None else (ks, kz, vs, vz)  # not read without STATIC
     _WRITE((t,), (k, v, slot_mapping, cache.k, cache.v, ks, kz, vs, vz, *fixed, kv_heads,  # every parameter, in order
-                  k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  cache.block_size, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   d // 2, triton.next_power_of_2(kv_heads), triton.next_power_of_2(d // 2), bits,
                   static is not None), num_warps=4)
 
@@ -156,8 +163,10 @@ def _load_codes(codes_ptr, row, offs_i, mask, out_dtype: tl.constexpr, HALF: tl.
     """Halves A and B of int8/int4 codes for cache rows `row`, as `out_dtype` values (0…255 or 0…15: exact
     in fp16/bf16), not dequantized."""
     a, b = _load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
-    # through fp32: the interpreter turns uint8 straight into bfloat16 wrongly (the GPU takes either)
-    return a.to(tl.float32).to(out_dtype), b.to(tl.float32).to(out_dtype)
+    if out_dtype == tl.bfloat16:  # through fp32: the interpreter turns uint8 straight into bfloat16 wrongly
+        return a.to(tl.float32).to(out_dtype), b.to(tl.float32).to(out_dtype)
+    else:
+        return a.to(out_dtype), b.to(out_dtype)
 
 
 @triton.jit
@@ -199,6 +208,7 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
         nmask = offs_n < end
         block = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * kv_heads + kvh
+        at = _scale_index(block, offs_n % BLOCK_SIZE, kvh, kv_heads, BLOCK_SIZE)  # its scale and zero
         mask = nmask[:, None] & imask[None, :]
         if BITS == 16:
             k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's
@@ -208,8 +218,8 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
             # the dot as they are (small integers, exact in fp16), so the tile needs a conversion per
             # element and no arithmetic; the scale and zero apply once per token.
             k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-            k_s = tl.load(ks_ptr + row, mask=nmask, other=0.0).to(tl.float32)
-            k_z = tl.load(kz_ptr + row, mask=nmask, other=0).to(tl.float32)
+            k_s = tl.load(ks_ptr + at, mask=nmask, other=0.0).to(tl.float32)
+            k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32)
             s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
             s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
@@ -226,8 +236,8 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
             # Σ_n p_n·s_n·(c_n − z_n) = (p·s)·c − Σ_n (p·s)_n·z_n: the scales go into p, the zeros into one
             # correction per query row, taken from the same rounded p·s that meets the codes.
             v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-            v_s = tl.load(vs_ptr + row, mask=nmask, other=0.0).to(tl.float32)
-            v_z = tl.load(vz_ptr + row, mask=nmask, other=0).to(tl.float32)
+            v_s = tl.load(vs_ptr + at, mask=nmask, other=0.0).to(tl.float32)
+            v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32)
             ps = (p * v_s[None, :]).to(dtype)
             corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
             acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)

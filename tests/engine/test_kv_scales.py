@@ -39,11 +39,12 @@ def test_pool_writes_the_static_scales(with_stats, bits):
     for i, layer in enumerate(engine.model.model.layers):
         cache = layer.self_attn.attn.kv_cache
         want = static_scales(stats.k_min[i], stats.k_max[i], stats.v_min[i], stats.v_max[i], bits)
-        used = cache.k_scale.view(-1, cache.kv_heads)[:, 0] > 0  # the slots written (the pool starts zeroed)
+        by_slot = [t.reshape(-1, cache.kv_heads) for t in (*cache.by_slot("k"), *cache.by_slot("v"))]
+        used = by_slot[0][:, 0] > 0  # the slots written (the pool starts zeroed)
         assert int(used.sum()) == written
-        for got, w in zip((cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero), want):
-            assert (got.view(-1, cache.kv_heads)[used] == w).all()
-        assert not cache.v_scale.view(-1, cache.kv_heads)[~used].any()
+        for got, w in zip(by_slot, want):
+            assert (got[used] == w).all()
+        assert not by_slot[2][~used].any()
 
 
 def test_static_perplexity_is_close_to_fp_and_not_online(with_stats, text_file):

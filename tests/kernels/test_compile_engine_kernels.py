@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
         codes, zero = ("*fp16", "*fp16") if bits == 16 else ("*u8", "*u8")
         cache = {"kc_ptr": codes, "vc_ptr": codes, "ks_ptr": "*fp16", "kz_ptr": zero, "vs_ptr": "*fp16", "vz_ptr": zero}
         static = {"fks_ptr": "*fp16", "fkz_ptr": zero, "fvs_ptr": "*fp16", "fvz_ptr": zero}
-        write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", **cache, **static, "kv_heads": "i32",
+        write = {"k_ptr": "*bf16", "v_ptr": "*bf16", "slot_ptr": "*i64", **cache, **static, "kv_heads": "i32", "block_size": "i32",
                  "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"}
         for fixed in ((False, True) if bits != 16 else (False,)):  # STATIC: the checkpoint's per-head scales
             build(tp.write_kv_kernel, write, dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, BITS=bits, STATIC=fixed),

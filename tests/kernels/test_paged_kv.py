@@ -115,12 +115,12 @@ def test_quantized_write_equals_runtime_kv_quant(reference_path, bits, dtype):
     cache = PagedKV.allocate(4, BLOCK, 2, 64, bits, dtype, "cpu")
     slots = torch.randperm(4 * BLOCK, generator=g)[:40]
     write_kv(cache, k, v, slots)
-    for x, codes, scale, zero in ((k, cache.k, cache.k_scale, cache.k_zero), (v, cache.v, cache.v_scale, cache.v_zero)):
+    for x, codes, scale, zero in ((k, cache.k, *cache.by_slot("k")), (v, cache.v, *cache.by_slot("v"))):
         q, s, z = kv_quant.quantize_per_token(x, bits)
         stored = codes.view(-1, 2, codes.shape[-1])[slots]
         assert torch.equal(stored, kv_quant.pack(q, bits))
-        assert torch.equal(scale.view(-1, 2)[slots], s[..., 0])
-        assert torch.equal(zero.view(-1, 2)[slots], z[..., 0])
+        assert torch.equal(scale.reshape(-1, 2)[slots], s[..., 0])
+        assert torch.equal(zero.reshape(-1, 2)[slots], z[..., 0])
 
 
 def test_negative_slots_are_skipped(reference_path):
@@ -323,10 +323,10 @@ def test_static_write_uses_the_heads_scales(reference_path, bits):
     k[2, 0, 5] = 100.0  # far outside the calibrated range: clipped to the top code, not a new scale
     slots = torch.randperm(3 * BLOCK, generator=g)[:20]
     write_kv(cache, k, v, slots)
-    for x, codes, scale, zero, s, z in ((k, cache.k, cache.k_scale, cache.k_zero, *static[:2]),
-                                        (v, cache.v, cache.v_scale, cache.v_zero, *static[2:])):
-        assert torch.equal(scale.view(-1, kv_heads)[slots], s.expand(20, kv_heads))
-        assert torch.equal(zero.view(-1, kv_heads)[slots], z.expand(20, kv_heads))
+    for x, codes, scale, zero, s, z in ((k, cache.k, *cache.by_slot("k"), *static[:2]),
+                                        (v, cache.v, *cache.by_slot("v"), *static[2:])):
+        assert torch.equal(scale.reshape(-1, kv_heads)[slots], s.expand(20, kv_heads))
+        assert torch.equal(zero.reshape(-1, kv_heads)[slots], z.expand(20, kv_heads))
         want = (torch.round(x / s.float()[:, None]) + z.float()[:, None]).clamp(0, kv_quant.QMAX[bits])
         assert torch.equal(codes.view(-1, kv_heads, codes.shape[-1])[slots], kv_quant.pack(want.to(torch.uint8), bits))
     # Reading back: within half a step where the value lies in the head's range; the outlier clipped.
@@ -366,7 +366,7 @@ def test_triton_static_write_equals_reference(monkeypatch, triton_interpreter, b
     ref, tri = caches
     for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
         assert torch.equal(getattr(tri, name), getattr(ref, name)), name
-    assert (ref.k_scale.view(-1, 2)[slots[slots >= 0]] == static[0]).all()
+    assert (ref.by_slot("k")[0].reshape(-1, 2)[slots[slots >= 0]] == static[0]).all()
     online = PagedKV.allocate(4, BLOCK, 2, 64, bits, dtype, "cpu")
     write_kv(online, k, v, slots)  # the static codes are not the online ones
     assert not torch.equal(online.k, tri.k)
