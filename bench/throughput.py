@@ -24,10 +24,13 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.8)
+    ap.add_argument("--max-num-seqs", type=int, default=512, help="most sequences running at once")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
-    measure = lambda setup: throughput(setup, args.num_prompts, args.input_len, args.output_len)  # noqa: E731
+    measure = lambda setup: throughput(setup, args.num_prompts, args.input_len, args.output_len,  # noqa: E731
+                                       args.max_num_seqs, args.max_num_batched_tokens)
     run_grid(measure, args.shapes.split(","), args.weights.split(","), [int(b) for b in args.kv_bits.split(",")],
              args.tiny, args.cache_max_entry_count, args.out)
 

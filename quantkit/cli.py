@@ -401,6 +401,9 @@ def bench_throughput(
     input_len: int = typer.Option(512, "--input-len", help="Prompt tokens per request."),
     output_len: int = typer.Option(128, "--output-len", help="New tokens per request."),
     cache_max_entry_count: float = CACHE_FRACTION,
+    max_num_seqs: int = typer.Option(512, "--max-num-seqs", help="Most sequences running at once."),
+    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens",
+                                               help="Token budget of one step (prompt chunks and decodes)."),
     tiny: bool = TINY,
     as_json: bool = AS_JSON,
 ) -> None:
@@ -408,7 +411,7 @@ def bench_throughput(
     from quantkit.engine.benchmark import BenchSetup, print_rows, throughput
 
     row = throughput(BenchSetup(shape, weights, kv_bits, tiny, cache_max_entry_count), num_prompts, input_len,
-                     output_len)
+                     output_len, max_num_seqs, max_num_batched_tokens)
     typer.echo(json.dumps(row, indent=2)) if as_json else print_rows([row])
 
 

@@ -92,10 +92,14 @@ def latency(setup: BenchSetup, prompt_len: int = 32, output_len: int = 256, runs
             "cuda_graphs": bool(engine.runner.graphs), "peak_gib": _peak_gib(engine)}
 
 
-def throughput(setup: BenchSetup, num_prompts: int = 512, input_len: int = 512, output_len: int = 128) -> dict:
+def throughput(setup: BenchSetup, num_prompts: int = 512, input_len: int = 512, output_len: int = 128,
+               max_num_seqs: int = 512, max_num_batched_tokens: int = 8192) -> dict:
     """vLLM's benchmark_throughput: every request submitted at once, fixed lengths (EOS ignored);
-    output tokens/s and all tokens/s over the wall time of the whole batch."""
-    engine = setup.engine(max_model_len=input_len + output_len + 1)
+    output tokens/s and all tokens/s over the wall time of the whole batch. The engine runs up to
+    `max_num_seqs` sequences and `max_num_batched_tokens` tokens per step: offline, larger than the
+    serving defaults (256, 2048), as vLLM's offline engine also takes."""
+    engine = setup.engine(max_num_seqs=max_num_seqs, max_model_len=input_len + output_len + 1,
+                          max_num_batched_tokens=max_num_batched_tokens)
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.generate(_random_prompts(min(num_prompts, 4), input_len, vocab, seed=1), params, progress=False)  # warm-up
@@ -107,7 +111,8 @@ def throughput(setup: BenchSetup, num_prompts: int = 512, input_len: int = 512, 
     elapsed = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in outputs)
     return {"bench": "throughput", **setup.describe(), "num_prompts": num_prompts, "input_len": input_len,
-            "output_len": output_len, "output_tok_s": round(produced / elapsed, 1),
+            "output_len": output_len, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "preemptions": engine.scheduler.num_preemptions, "output_tok_s": round(produced / elapsed, 1),
             "total_tok_s": round((produced + num_prompts * input_len) / elapsed, 1), "seconds": round(elapsed, 2),
             "kv_pool_tokens": engine.runner.num_blocks * engine.config.block_size, "peak_gib": _peak_gib(engine)}
 

@@ -24,7 +24,7 @@ from quantkit.kernels.paged_kv import PagedKV
 
 log = logging.getLogger(__name__)
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Token counts around which the quantized linears change kernel configuration (kernels/dispatch.py picks
 # by M bucket) or Triton its specialization (an integer argument divisible by 16 or not): the warm-up
 # runs a forward at each bound and one below it, so no request meets a kernel compiled on first sight.

@@ -222,7 +222,7 @@ def test_decode_steps_through_graph_buckets_equal_hf(tiny_models):
 
     eng.runner.capture_graphs(capture)
     assert sorted(eng.runner.graphs) == [1, 2, 4, 8]
-    assert graph_buckets(100)[-2:] == [64, 128] and graph_buckets(1000)[-1] == 256  # a bucket holds max_num_seqs
+    assert graph_buckets(100)[-2:] == [64, 128] and graph_buckets(1000)[-1] == 512  # a bucket holds max_num_seqs
     ps = prompts(7, (9, 3, 30))  # 3 sequences: the bucket of 4 with one padding row (slot -1, writes nowhere)
     EagerReplay.replays = 0
     results = run_staggered(eng, [ps[:1], ps[1:]], steps_between=4)  # buckets 1, then 4 (and 2 as they end)
