@@ -43,9 +43,10 @@ class BenchSetup:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         model = build_random_model(shape, self.weights, torch.device(device), dtype)
+        config = {"num_kv_tokens": 16384 if self.tiny else None, **config}
         config = EngineConfig(kv_bits=self.kv_bits, cache_max_entry_count=self.cache_max_entry_count,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device, dtype=dtype,
-                              num_kv_tokens=16384 if self.tiny else None, cuda_graphs=cuda_graphs, **config)
+                              cuda_graphs=cuda_graphs, **config)
         return Engine.from_model(model, None, config)
 
     def describe(self) -> dict:
