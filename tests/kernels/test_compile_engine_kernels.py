@@ -1,4 +1,4 @@
-"""The engine's Triton kernels (kernels/triton_paged.py, kernels/triton_fused.py) compile for Hopper
+"""The engine's Triton kernels (kernels/triton_paged.py, triton_prefill.py, triton_fused.py) compile for Hopper
 (sm_90) without a GPU, in the configurations their launchers use at Llama shapes (head_dim 128, GQA
 4:1, blocks of 16 tokens). The CPU interpreter runs their Python but not Triton's compiler, which
 rejects some programs the interpreter accepts; the compile runs in a subprocess because this folder's
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quantkit.kernels import triton_fused as tf, triton_paged as tp
+    from quantkit.kernels import triton_fused as tf, triton_paged as tp, triton_prefill as tpf
 
     def build(fn, signature, constexprs, **options):
         sig = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -49,6 +49,14 @@ SCRIPT = textwrap.dedent("""
             build(tp.decode_kernel, decode, dict(GROUP=4, BLOCK_G=16, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16,
                                                  BLOCK_N=64, BITS=bits, SPLIT=split), num_warps=4)
         count += 2
+        prefill = {"q_ptr": "*bf16", **cache, "bt_ptr": "*i32", "ctx_ptr": "*i32", "qstart_ptr": "*i32",
+                   "out_ptr": "*bf16", "qk_scale": "fp32", "kv_heads": "i32", "stride_qt": "i32", "stride_qh": "i32",
+                   "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
+        if bits == 16:
+            prefill.update({k: "*bf16" for k in cache})  # K/V in the model's dtype; no scales or zeros
+        build(tpf.prefill_kernel, prefill, dict(GROUP=4, ROWS=16, BLOCK_M=64, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16,
+                                                BLOCK_N=64, BITS=bits), num_warps=4 if bits == 16 else 8, num_stages=2)
+        count += 1
     build(tp.merge_kernel, {"part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                             "out_ptr": "*fp16", "partitions": "i32"}, dict(D=128, BLOCK_P=tp.MAX_PARTITIONS, BLOCK_D=128), num_warps=4)
     for residual in (False, True):
@@ -73,4 +81,4 @@ def test_engine_kernels_compile_for_hopper():
     if proc.returncode and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip("this Triton install has no ptxas to assemble for sm_90")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "17"
+    assert proc.stdout.split()[-1] == "20"
