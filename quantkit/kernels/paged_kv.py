@@ -14,11 +14,11 @@ per-head scales (`PagedKV.static`, from calibration statistics), that head's fix
 the write then stores them in the same per-token slots and clips values outside the calibrated range,
 so every reader of the cache works unchanged.
 
-`write_kv` and `paged_decode_attention` run the Triton kernels of kernels/triton_paged.py where
-`hardware.runs_triton` says so (an NVIDIA GPU of compute capability 8.0 or later, or QUANTKIT_KERNEL=
-triton; with TRITON_INTERPRET=1 that runs them on the CPU through Triton's interpreter) and this
-module's torch code elsewhere. Prefill attention gathers each sequence's context and calls SDPA
-(flash on a GPU for a whole prompt; with a cached prefix, a bottom-right causal mask) everywhere.
+`write_kv`, `paged_decode_attention` and `paged_prefill_attention` run the Triton kernels of
+kernels/triton_paged.py and triton_prefill.py where `hardware.runs_triton` says so (an NVIDIA GPU of
+compute capability 8.0 or later, or QUANTKIT_KERNEL=triton; with TRITON_INTERPRET=1 that runs them on
+the CPU through Triton's interpreter) and this module's torch code elsewhere: there, prefill attention
+gathers each sequence's context and calls SDPA (with a cached prefix, a bottom-right causal mask).
 """
 
 from __future__ import annotations
@@ -261,6 +261,10 @@ def paged_prefill_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, con
     """Causal attention of several sequences' new tokens, q [T, heads, head_dim] packed by query_start
     [B+1] (cumulative): sequence b's queries are the last query_start[b+1] − query_start[b] of its
     context_lens[b] cached tokens (a cached prefix, then the new ones). Gather + SDPA per sequence."""
+    if runs_triton(q.device):
+        from quantkit.kernels import triton_prefill
+
+        return triton_prefill.paged_prefill_attention(q, cache, block_tables, context_lens, query_start, sm_scale)
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], cache.kv_heads
     starts, lens = _host_lists(query_start, context_lens)

@@ -2,7 +2,7 @@
 torch reference (kernels/paged_kv.py with QUANTKIT_KERNEL=reference) run on the same GPU.
 
 Llama-2-7B (32 heads of 128, MHA) and Llama-3-8B (32 query heads over 8 KV heads) decode attention at
-batch 1 and 32, contexts up to 100, 4096 and 8192 tokens, fp16/int8/int4 blocks; random K/V/Q (never
+batch 1 and 32, contexts up to 100, 4096 and 8192 tokens, fp16/int8/int4 blocks, and packed prefill steps; random K/V/Q (never
 zeros) written by the Triton write kernel into blocks handed out in a random order. The write itself
 must give the reference's codes, scales and zeros byte for byte; the decode is also captured in a
 CUDA graph and replayed with other context lengths (its grid must not depend on them). Then the fused
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gpu_checks import capture, rel_err
-from quantkit.kernels.paged_kv import PagedKV, paged_decode_attention, write_kv
+from quantkit.kernels.paged_kv import PagedKV, paged_decode_attention, paged_prefill_attention, write_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -152,6 +152,31 @@ def test_decode_attention_in_a_cuda_graph(monkeypatch, bits):
         torch.cuda.synchronize()
         ref = reference_decode(monkeypatch, q, cache, tables, ctx, d**-0.5)
         assert rel_err(out, ref) < TOL, lens
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_prefill_attention(monkeypatch, shape, bits):
+    """One packed prefill step (kernels/triton_prefill.py): whole prompts, chunks after a cached prefix, a
+    one-token row and a sequence with no new token, against gather + SDPA per sequence."""
+    heads, kv_heads, d = SHAPES[shape]
+    g = torch.Generator().manual_seed(20 + bits)
+    lens = torch.tensor([512, 1000, 37, 2048, 300, 4100], dtype=torch.int32)
+    new = torch.tensor([512, 200, 37, 1, 0, 1500])
+    cache, tables = filled_cache(lens, kv_heads, d, bits, seed=bits)
+    starts = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(new, 0)
+    q = (torch.randn(int(starts[-1]), heads, d, generator=g) * 3).half().cuda()
+    args = (q, cache, tables, lens.cuda(), starts.cuda(), d**-0.5)
+    out = paged_prefill_attention(*args)
+    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    ref = paged_prefill_attention(*args)
+    monkeypatch.delenv("QUANTKIT_KERNEL")
+    for b in range(len(lens)):
+        s, e = int(starts[b]), int(starts[b + 1])
+        if e > s:
+            err = rel_err(out[s:e], ref[s:e])
+            assert err < TOL, f"{shape} kv{bits} sequence {b} ({e - s} of {int(lens[b])} tokens): {err:.2e}"
 
 
 # ---- the fused elementwise ops (kernels/fused.py) at Llama shapes
