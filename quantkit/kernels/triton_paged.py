@@ -159,14 +159,27 @@ def _load_raw(codes_ptr, row, offs_i, mask, HALF: tl.constexpr, BITS: tl.constex
 
 
 @triton.jit
-def _load_codes(codes_ptr, row, offs_i, mask, out_dtype: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr):
-    """Halves A and B of int8/int4 codes for cache rows `row`, as `out_dtype` values (0…255 or 0…15: exact
-    in fp16/bf16), not dequantized."""
-    a, b = _load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
-    if out_dtype == tl.bfloat16:  # through fp32: the interpreter turns uint8 straight into bfloat16 wrongly
-        return a.to(tl.float32).to(out_dtype), b.to(tl.float32).to(out_dtype)
+def _code_offset(out_dtype: tl.constexpr):
+    """What `_load_codes` adds to every code: 1024 for fp16, 0 otherwise. Readers add it to the zero point."""
+    if out_dtype == tl.float16:
+        return 1024.0
     else:
-        return a.to(out_dtype), b.to(out_dtype)
+        return 0.0
+
+
+@triton.jit
+def _load_codes(codes_ptr, row, offs_i, mask, out_dtype: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr):
+    """Halves A and B of int8/int4 codes for cache rows `row`, as `out_dtype` values c + `_code_offset`, not
+    dequantized. For fp16 without a conversion instruction: the bits 0x6400 | c are the fp16 number 1024 + c
+    (exact for c < 1024), so an integer OR makes the value and the offset folds into the zero point, where
+    the conversion unit (a quarter of the integer rate) would otherwise run once per cached element."""
+    a, b = _load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
+    if out_dtype == tl.float16:
+        a = (a.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b = (b.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        return a, b
+    else:  # through fp32: the interpreter turns uint8 straight into bfloat16 wrongly (the GPU takes either)
+        return a.to(tl.float32).to(out_dtype), b.to(tl.float32).to(out_dtype)
 
 
 @triton.jit
@@ -219,7 +232,7 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
             # element and no arithmetic; the scale and zero apply once per token.
             k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
             k_s = tl.load(ks_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-            k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32)
+            k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
             s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
             s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
@@ -237,7 +250,7 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
             # correction per query row, taken from the same rounded p·s that meets the codes.
             v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
             v_s = tl.load(vs_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-            v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32)
+            v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
             ps = (p * v_s[None, :]).to(dtype)
             corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
             acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged import LOG2E, _halves, _load_codes, _load_raw, _scale_index
+from quantkit.kernels.triton_paged import LOG2E, _code_offset, _halves, _load_codes, _load_raw, _scale_index
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_ro
     else:
         k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
         k_s = tl.load(ks_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-        k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32)
+        k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
         s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
         s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
     s = s * qk_scale
@@ -73,7 +73,7 @@ def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_ro
     else:
         v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
         v_s = tl.load(vs_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-        v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32)
+        v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
         ps = (p * v_s[None, :]).to(dtype)
         corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
         acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)
