@@ -11,8 +11,9 @@ q_A·k_A + q_B·k_B, and p·v fills the output's A and B channels separately.
 Decode attention (flash-decoding): one program per (sequence, kv head, partition). The program holds
 the query heads that share its kv head (GQA; padded to 16 rows for tl.dot) and walks its share of the
 context in tiles of BLOCK_N tokens, looking up each token's block in the block table, with an online
-softmax. int8/int4 codes enter the dot products as they are (small integers, exact in fp16/bf16); each
-token's scale and zero apply once per token outside them: q·k = s·(q·c − z·Σq), p·v = (p·s)·c − Σ(p·s)·z. A sequence's context is split evenly over the
+softmax. int8/int4 codes enter the dot products as they are (small integers, exact in fp16/bf16; in
+fp16 offset by 1024, see `_load_codes`); each token's scale and zero apply once per token outside them:
+q·k = s·(q·c − z·Σq), p·v = (p·s)·c − Σ(p·s)·z. A sequence's context is split evenly over the
 launch's partitions at run time, so the grid depends only on the batch size and the cache, never on
 the context lengths: the launch is the same in every replay of a CUDA graph. With more than one
 partition a second small kernel merges the partial results (each kept with its running max and sum).
