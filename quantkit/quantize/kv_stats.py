@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +22,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from quantkit.config import UserError
 from quantkit.data import load_calibration
+from quantkit.formats.checkpoint import INDEX_NAME
+from quantkit.formats.compressed_tensors import KV_SCALE_NAMES, kv_cache_scales
 from quantkit.formats.kv_stats import FILE_NAME, RANGE_NAMES, KVStats, write_kv_stats
 
 log = logging.getLogger(__name__)
@@ -147,15 +151,83 @@ def _is_checkpoint(path: Path) -> bool:
         return False
 
 
+def _layer_order(module: str) -> tuple:
+    """Sort key putting `model.layers.2.self_attn` before `model.layers.10.self_attn`."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", module))
+
+
+def _kv_scale_files(checkpoint: Path) -> dict[str, list[str]]:
+    """{weight file name: its `*.k_scale` / `*.v_scale` tensor names}, read from the index or the headers."""
+    from safetensors import safe_open
+
+    index = checkpoint / INDEX_NAME
+    if index.is_file():
+        names = json.loads(index.read_text())["weight_map"].items()
+    else:
+        names = []
+        for f in sorted(checkpoint.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as reader:
+                names += [(key, f.name) for key in reader.keys()]
+    files: dict[str, list[str]] = {}
+    for key, fname in names:
+        if key.rpartition(".")[2] in KV_SCALE_NAMES:
+            files.setdefault(fname, []).append(key)
+    return files
+
+
+def _rewrite_tensors(file: Path, new: dict[str, torch.Tensor]) -> None:
+    """Replace tensors of a safetensors file, keeping the others and its metadata; the new file is
+    written beside the old one and moved over it, so a crash never leaves a half-written weight file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(file), framework="pt") as reader:
+        metadata = reader.metadata()
+        tensors = {key: reader.get_tensor(key) for key in reader.keys()}
+    for key, t in new.items():
+        old = tensors[key]
+        tensors[key] = t.to(old.dtype).reshape(old.shape)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _vllm_kv_scale_plan(checkpoint: Path, stats: KVStats) -> dict[str, dict[str, torch.Tensor]]:
+    """{weight file: new tensors} for the checkpoint's vLLM fp8 KV scales (compressed-tensors
+    `kv_cache_scheme`) from `stats`, computed as the export computes them; {} when it has none."""
+    files = _kv_scale_files(checkpoint)
+    if not files:
+        qc = json.loads((checkpoint / "config.json").read_text()).get("quantization_config") or {}
+        if qc.get("kv_cache_scheme"):
+            log.warning("%s declares a kv_cache_scheme but no weight file holds k_scale/v_scale tensors: "
+                        "no fp8 KV scales refreshed", checkpoint)
+        return {}
+    where = {key: fname for fname, keys in files.items() for key in keys}
+    modules = sorted({key.rpartition(".")[0] for key in where}, key=_layer_order)
+    if len(modules) != stats.num_layers or len(where) != 2 * len(modules):
+        raise UserError(f"{checkpoint} holds k_scale/v_scale for {len(modules)} attention modules but the model has "
+                        f"{stats.num_layers} layers: re-export it with `quantkit` to get matching fp8 KV scales")
+    plan: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in kv_cache_scales(modules, stats.k_absmax, stats.v_absmax).items():
+        plan.setdefault(where[key], {})[key] = t
+    return plan
+
+
 def kv_calibrate(model_path: str | Path, output: Optional[str | Path] = None, dataset: str = "ptb",
                  samples: int = 32, seqlen: int = 512, seed: int = 0, data_dir: Optional[str] = None,
                  device: Optional[str] = None, progress: bool = True) -> tuple[KVStats, Path]:
-    """Collect KV statistics for a quantkit checkpoint (written into it, its report updated) or for an
-    fp model (HF directory or .gguf; then `output`, a file or directory, is required)."""
+    """Collect KV statistics for a quantkit checkpoint (written into it, its report and any vLLM fp8 KV
+    scales in its weights updated) or for an fp model (HF directory or .gguf; then `output`, a file or
+    directory, is required)."""
     path = Path(model_path)
     checkpoint = path.is_dir() and _is_checkpoint(path)
     if output is None and not checkpoint:
         raise UserError(f"{path} is not a quantkit checkpoint: pass --output FILE for its {FILE_NAME}")
+    into_checkpoint = checkpoint and (output is None or Path(output).resolve() == path.resolve())
     if checkpoint:
         # A checkpoint is measured as it runs: quantized weights change the K/V it produces.
         from quantkit.runtime.loader import load
@@ -170,12 +242,19 @@ def kv_calibrate(model_path: str | Path, output: Optional[str | Path] = None, da
             model.to(device)
     windows, source = load_calibration(tokenizer, dataset, samples, seqlen, seed, data_dir)
     stats = collect_kv_stats(model, windows, progress=progress)
+    scale_plan = _vllm_kv_scale_plan(path, stats) if into_checkpoint else {}
     out = write_kv_stats(stats, output if output is not None else path)
     report_file = path / "quant_report.json"
-    if checkpoint and report_file.is_file() and output is None:
+    if into_checkpoint and report_file.is_file():
         report = json.loads(report_file.read_text())
         report["kv_stats"] = {**stats.summary(), "calibration": {"dataset": source.name, "split": source.split,
                                                                   "samples": samples, "seqlen": seqlen, "seed": seed}}
         report_file.write_text(json.dumps(report, indent=2))
     log.info("wrote %s (%d tokens)", out, stats.tokens)
+    # vLLM reads these instead of the statistics: left as they were, the two would disagree.
+    for fname, tensors in scale_plan.items():
+        _rewrite_tensors(path / fname, tensors)
+    if scale_plan:
+        log.info("refreshed the fp8 KV scales in %s (%d k_scale/v_scale tensors)", ", ".join(sorted(scale_plan)),
+                 sum(len(t) for t in scale_plan.values()))
     return stats, out
