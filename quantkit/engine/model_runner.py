@@ -76,6 +76,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.num_blocks = self._allocate_pool()
+        self._warmup_pool()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = bool(config.cuda_graphs) and self.device.type == "cuda"
         if self.use_graphs:
@@ -94,6 +95,7 @@ class ModelRunner:
                                    self.dtype, self.device, static=static[i] if static else None)
                   for i in range(self.num_layers)]
         self.model.set_kv_caches(caches)
+        self.kv_caches = caches
 
     def _allocate_pool(self) -> int:
         if self.device.type == "cuda":
@@ -147,6 +149,27 @@ class ModelRunner:
                 self.model.compute_logits(self.model(ids, positions)[-min(self.config.max_num_seqs, tokens):])
             finally:
                 set_metadata(None)
+
+    @torch.no_grad()
+    def _warmup_pool(self) -> None:
+        """A prefill of one block's worth of tokens through the pool (block 0, which no sequence holds yet and
+        each one that takes it overwrites before reading), so the KV write and the prefill attention kernels
+        compile before the first request rather than in its time to first token. The block is zeroed again
+        after it, as the whole pool starts."""
+        n = min(self.block_size, self.max_model_len)
+        positions = torch.arange(n, device=self.device)
+        set_metadata(AttnMetadata(
+            slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start=torch.tensor([0, n], dtype=torch.int32, device=self.device), is_decode=False))
+        try:
+            self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
+        finally:
+            set_metadata(None)
+        for cache in self.kv_caches:
+            for t in (cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero):
+                if t is not None:
+                    t[0].zero_()
 
     # --- one step ---------------------------------------------------------------------------------
 
