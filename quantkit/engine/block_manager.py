@@ -137,6 +137,8 @@ class BlockManager:
             return
         start = self.num_hashed.get(seq.arrival, 0)
         end = seq.num_computed_tokens // self.block_size
+        if end <= start:  # no block filled since the last call: most decode steps
+            return
         h: Optional[int] = self.blocks[seq.block_table[start - 1]].hash if start > 0 else chain_start(seq)
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]

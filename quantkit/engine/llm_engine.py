@@ -222,7 +222,7 @@ class Engine:
             delta = req.detok.step(token_id)
             if req.detok.stopped and not seq.is_finished:  # a stop string ended the text
                 self.scheduler.finish(seq, "stop", req.detok.stop_string)
-        new_ids = seq.output_token_ids[req.sent:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + req.sent:]
         logprobs = seq.output_logprobs[req.sent:] if seq.params.logprobs is not None else None
         req.sent = seq.num_output_tokens
         if seq.is_finished:

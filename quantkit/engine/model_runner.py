@@ -177,13 +177,19 @@ class ModelRunner:
         """Flat token ids, positions and attention metadata for the scheduled (sequence, new tokens) pairs."""
         ids, positions, slots, tables, context_lens, query_start = [], [], [], [], [], [0]
         sample_rows, sampled = [], []
+        bs = self.block_size
         for seq, n in batch:
             start = seq.num_computed_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
+            if n == 1:  # a decode: most of a large step's sequences
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(table)
             context_lens.append(end)
             query_start.append(query_start[-1] + n)
