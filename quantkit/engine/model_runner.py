@@ -139,16 +139,21 @@ class ModelRunner:
         counts = sorted({c for b in WARMUP_BOUNDS for c in (b - 1, b) if 1 < c < largest}, reverse=True)
         self.model.set_kv_caches([None] * self.num_layers)
         for tokens in [largest] + counts:
-            ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-            positions = torch.arange(tokens, device=self.device)
-            set_metadata(AttnMetadata(
-                slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-                context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-                query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False))
-            try:
-                self.model.compute_logits(self.model(ids, positions)[-min(self.config.max_num_seqs, tokens):])
-            finally:
-                set_metadata(None)
+            hidden = self._forward_dummy_prompt(tokens)
+            self.model.compute_logits(hidden[-min(self.config.max_num_seqs, tokens):])
+
+    def _forward_dummy_prompt(self, tokens: int) -> torch.Tensor:
+        """The forward of one sequence of `tokens` zero ids prefilled from position 0 into slots 0…tokens − 1
+        (the first blocks of the pool, when there is one)."""
+        positions = torch.arange(tokens, device=self.device)
+        set_metadata(AttnMetadata(
+            slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False))
+        try:
+            return self.model(torch.zeros(tokens, dtype=torch.long, device=self.device), positions)
+        finally:
+            set_metadata(None)
 
     @torch.no_grad()
     def _warmup_pool(self) -> None:
@@ -156,16 +161,7 @@ class ModelRunner:
         each one that takes it overwrites before reading), so the KV write and the prefill attention kernels
         compile before the first request rather than in its time to first token. The block is zeroed again
         after it, as the whole pool starts."""
-        n = min(self.block_size, self.max_model_len)
-        positions = torch.arange(n, device=self.device)
-        set_metadata(AttnMetadata(
-            slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            query_start=torch.tensor([0, n], dtype=torch.int32, device=self.device), is_decode=False))
-        try:
-            self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
-        finally:
-            set_metadata(None)
+        self._forward_dummy_prompt(min(self.block_size, self.max_model_len))
         for cache in self.kv_caches:
             for t in (cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero):
                 if t is not None:
