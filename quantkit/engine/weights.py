@@ -9,7 +9,6 @@ compressed-tensors along dim 0 of weight_packed/weight_scale/weight_zero_point.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path

@@ -14,7 +14,6 @@ import torch
 
 from quantkit.config import QuantizeConfig
 from quantkit.data import (
-    TextSource,
     calibration_windows,
     check_calibration,
     load_calibration,
