@@ -31,8 +31,8 @@ class BenchSetup:
     cache_max_entry_count: float = 0.8
 
     def engine(self, max_num_seqs: int = 256, max_model_len: Optional[int] = None, cuda_graphs: bool = True,
-               **config: object) -> Engine:
-        """An engine over a fresh random model of this shape; `config` overrides other EngineConfig fields."""
+               **overrides: object) -> Engine:
+        """An engine over a fresh random model of this shape; `overrides` set other EngineConfig fields."""
         shape = "tiny" if self.tiny else self.shape
         if shape not in SHAPES:
             raise UserError(f"unknown shape {shape!r}: use one of {', '.join(s for s in SHAPES if s != 'tiny')}")
@@ -43,10 +43,10 @@ class BenchSetup:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         model = build_random_model(shape, self.weights, torch.device(device), dtype)
-        config = {"num_kv_tokens": 16384 if self.tiny else None, **config}
+        overrides = {"num_kv_tokens": 16384 if self.tiny else None, **overrides}
         config = EngineConfig(kv_bits=self.kv_bits, cache_max_entry_count=self.cache_max_entry_count,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device, dtype=dtype,
-                              cuda_graphs=cuda_graphs, **config)
+                              cuda_graphs=cuda_graphs, **overrides)
         return Engine.from_model(model, None, config)
 
     def describe(self) -> dict:

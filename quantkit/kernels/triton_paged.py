@@ -128,6 +128,14 @@ def write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_p
 _WRITE = KeptKernel(write_kv_kernel)
 
 
+def scale_args(cache) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernels' (k_scale, k_zero, v_scale, v_zero) arguments: the cache's, or for a 16-bit cache (which
+    has none and whose kernels never read them) its K and V again, as placeholders."""
+    if cache.bits == 16:
+        return cache.k, cache.k, cache.v, cache.v
+    return cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero
+
+
 def write_kv(cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Triton form of paged_kv.write_kv (same arguments)."""
     t, kv_heads, d = k.shape
@@ -138,8 +146,7 @@ def write_kv(cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("write_kv needs k and v contiguous in their last dim")
     bits = cache.bits
-    ks, kz, vs, vz = (cache.k, cache.k, cache.v, cache.v) if bits == 16 else (
-        cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
+    ks, kz, vs, vz = scale_args(cache)
     static = getattr(cache, "static", None)
     fixed = static if static is not None else (ks, kz, vs, vz)  # not read without STATIC
     _WRITE((t,), (k, v, slot_mapping, cache.k, cache.v, ks, kz, vs, vz, *fixed, kv_heads,  # every parameter, in order
@@ -184,6 +191,59 @@ def _load_codes(codes_ptr, row, offs_i, mask, out_dtype: tl.constexpr, HALF: tl.
 
 
 @triton.jit
+def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row, kc_ptr, vc_ptr, ks_ptr,
+                kz_ptr, vs_ptr, vz_ptr, kvh, kv_heads, qk_scale, offs_i, imask, HALF: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, CAUSAL: tl.constexpr):
+    """One step of the online softmax, shared by decode and prefill attention: (acc_a, acc_b, m, l)
+    advanced by keys n0 … n0 + BLOCK_N − 1 of the sequence whose block-table row is `bt_row`. Keys from
+    kv_end on are never loaded (their table entries may be garbage); with CAUSAL, row r sees keys up to
+    pos[r] (< kv_end), without it the caller knows every key of the tile is below kv_end."""
+    dtype = q_a.dtype
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < kv_end
+    block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    off = offs_n % BLOCK_SIZE
+    row = (block * BLOCK_SIZE + off) * kv_heads + kvh
+    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)  # its scale and zero
+    mask = nmask[:, None] & imask[None, :]
+    if BITS == 16:
+        k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's
+        s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
+    else:
+        # Quantized K, dequantized outside the tile: q·((c − z)·s) = s·(q·c − z·Σq). The codes go into
+        # the dot as they are (small integers, exact in fp16), so the tile needs no arithmetic per
+        # element; the scale and zero apply once per token.
+        k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
+        k_s = tl.load(ks_ptr + at, mask=nmask, other=0.0).to(tl.float32)
+        k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
+        s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
+        s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
+    s = s * qk_scale
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if BITS == 16:
+        v_a, v_b = _load_raw(vc_ptr, row, offs_i, mask, HALF, BITS)
+        p16 = p.to(dtype)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p16, v_a)
+        acc_b = acc_b * alpha[:, None] + tl.dot(p16, v_b)
+    else:
+        # Σ_n p_n·s_n·(c_n − z_n) = (p·s)·c − Σ_n (p·s)_n·z_n: the scales go into p, the zeros into one
+        # correction per query row, taken from the same rounded p·s that meets the codes.
+        v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
+        v_s = tl.load(vs_ptr + at, mask=nmask, other=0.0).to(tl.float32)
+        v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
+        ps = (p * v_s[None, :]).to(dtype)
+        corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
+        acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)
+        acc_b = acc_b * alpha[:, None] + (tl.dot(ps, v_b) - corr)
+    return acc_a, acc_b, m_new, l_i
+
+
+@triton.jit
 def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, ctx_ptr,
                   out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qk_scale, kv_heads, heads, partitions,
                   stride_qb, stride_qh, stride_bt,
@@ -217,46 +277,12 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
     # Σ_channels q, for the zero points folded out of q·k (quantized K, below); computed for every format, as
     # a value defined under a constexpr branch only cannot enter the loop's carried values.
     q_sum = tl.sum(q_a.to(tl.float32), axis=1) + tl.sum(q_b.to(tl.float32), axis=1)
+    bt_row = bt_ptr + b * stride_bt
+    last = tl.zeros([BLOCK_G], tl.int32) + end - 1  # every query head sees the whole share
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < end
-        block = tl.load(bt_ptr + b * stride_bt + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = (block * BLOCK_SIZE + offs_n % BLOCK_SIZE) * kv_heads + kvh
-        at = _scale_index(block, offs_n % BLOCK_SIZE, kvh, kv_heads, BLOCK_SIZE)  # its scale and zero
-        mask = nmask[:, None] & imask[None, :]
-        if BITS == 16:
-            k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's
-            s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
-        else:
-            # Quantized K, dequantized outside the tile: q·((c − z)·s) = s·(q·c − z·Σq). The codes go into
-            # the dot as they are (small integers, exact in fp16), so the tile needs a conversion per
-            # element and no arithmetic; the scale and zero apply once per token.
-            k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-            k_s = tl.load(ks_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-            k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
-            s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
-            s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
-        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if BITS == 16:
-            v_a, v_b = _load_raw(vc_ptr, row, offs_i, mask, HALF, BITS)
-            p16 = p.to(dtype)
-            acc_a = acc_a * alpha[:, None] + tl.dot(p16, v_a)
-            acc_b = acc_b * alpha[:, None] + tl.dot(p16, v_b)
-        else:
-            # Σ_n p_n·s_n·(c_n − z_n) = (p·s)·c − Σ_n (p·s)_n·z_n: the scales go into p, the zeros into one
-            # correction per query row, taken from the same rounded p·s that meets the codes.
-            v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-            v_s = tl.load(vs_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-            v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
-            ps = (p * v_s[None, :]).to(dtype)
-            corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
-            acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)
-            acc_b = acc_b * alpha[:, None] + (tl.dot(ps, v_b) - corr)
-        m_i = m_new
+        acc_a, acc_b, m_i, l_i = attend_tile(
+            acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, last, n0, end, bt_row, kc_ptr, vc_ptr, ks_ptr, kz_ptr,
+            vs_ptr, vz_ptr, kvh, kv_heads, qk_scale, offs_i, imask, HALF, BLOCK_SIZE, BLOCK_N, BITS, True)
 
     # an empty share (or a padded batch row with no context) leaves l = 0: its output is 0, not NaN
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
@@ -336,8 +362,7 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
     else:
         part_out = part_m = part_l = out  # not read or written
     bits = cache.bits
-    ks, kz, vs, vz = (cache.k, cache.k, cache.v, cache.v) if bits == 16 else (
-        cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
+    ks, kz, vs, vz = scale_args(cache)
     _DECODE((batch, kv_heads, partitions), (  # every parameter of decode_kernel, in order
         q, cache.k, cache.v, ks, kz, vs, vz, block_tables, context_lens, out, part_out, part_m, part_l,
         sm_scale * LOG2E, kv_heads, heads, partitions, q.stride(0), q.stride(1), block_tables.stride(0),

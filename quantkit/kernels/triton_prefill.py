@@ -14,7 +14,7 @@ online softmax in fp32 (exp2). Keys every row of the tile may see (up to its fir
 take a loop without a causal mask; the few tiles across the diagonal, up to its last query's position,
 take a second loop with it. No key past a sequence's context is loaded, nor any table entry past it.
 
-K/V are read as in the decode kernel (kernels/triton_paged.py, whose load helpers this module uses):
+K/V are read as in the decode kernel (kernels/triton_paged.py, whose `attend_tile` this module runs):
 two halves A and B of head_dim (the first and second half, or for int4 the even and odd channels),
 and int8/int4 codes enter the dot products as they are, the scale and zero applied once per token:
 q·k = s·(q·c − z·Σq) and p·v = (p·s)·c − Σ(p·s)·z. A token's codes are row
@@ -30,55 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged import LOG2E, _code_offset, _halves, _load_codes, _load_raw, _scale_index
-
-
-@triton.jit
-def _attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row, kc_ptr, vc_ptr, ks_ptr,
-                 kz_ptr, vs_ptr, vz_ptr, kvh, kv_heads, qk_scale, offs_i, imask, HALF: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, CAUSAL: tl.constexpr):
-    """The online softmax advanced by keys n0 … n0 + BLOCK_N − 1 (those below kv_end); row r sees keys up
-    to pos[r] (with CAUSAL; without it every key of the tile is one all rows see)."""
-    dtype = q_a.dtype
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    # keys from kv_end on (past the last row's position) are masked by CAUSAL, and their table entries
-    # may be garbage: never loaded
-    nmask = offs_n < kv_end
-    block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-    off = offs_n % BLOCK_SIZE
-    row = (block * BLOCK_SIZE + off) * kv_heads + kvh
-    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)
-    mask = nmask[:, None] & imask[None, :]
-    if BITS == 16:
-        k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)
-        s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
-    else:
-        k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-        k_s = tl.load(ks_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-        k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
-        s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
-        s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
-    s = s * qk_scale
-    if CAUSAL:
-        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if BITS == 16:
-        v_a, v_b = _load_raw(vc_ptr, row, offs_i, mask, HALF, BITS)
-        p16 = p.to(dtype)
-        acc_a = acc_a * alpha[:, None] + tl.dot(p16, v_a)
-        acc_b = acc_b * alpha[:, None] + tl.dot(p16, v_b)
-    else:
-        v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-        v_s = tl.load(vs_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-        v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
-        ps = (p * v_s[None, :]).to(dtype)
-        corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
-        acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)
-        acc_b = acc_b * alpha[:, None] + (tl.dot(ps, v_b) - corr)
-    return acc_a, acc_b, m_new, l_i
+from quantkit.kernels.triton_paged import LOG2E, _halves, attend_tile, scale_args
 
 
 @triton.jit
@@ -124,11 +76,11 @@ def prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr
     unmasked_end = (ctx - n + q0 + 1) // BLOCK_N * BLOCK_N
     kv_end = ctx - n + q_end
     for n0 in range(0, unmasked_end, BLOCK_N):
-        acc_a, acc_b, m_i, l_i = _attend_tile(
+        acc_a, acc_b, m_i, l_i = attend_tile(
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row, kc_ptr, vc_ptr, ks_ptr, kz_ptr,
             vs_ptr, vz_ptr, kvh, kv_heads, qk_scale, offs_i, imask, HALF, BLOCK_SIZE, BLOCK_N, BITS, False)
     for n0 in range(unmasked_end, kv_end, BLOCK_N):
-        acc_a, acc_b, m_i, l_i = _attend_tile(
+        acc_a, acc_b, m_i, l_i = attend_tile(
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row, kc_ptr, vc_ptr, ks_ptr, kz_ptr,
             vs_ptr, vz_ptr, kvh, kv_heads, qk_scale, offs_i, imask, HALF, BLOCK_SIZE, BLOCK_N, BITS, True)
 
@@ -171,8 +123,7 @@ def paged_prefill_attention(q: Tensor, cache, block_tables: Tensor, context_lens
     block_m = max(block_m, 16, triton.next_power_of_2(group))
     rows = block_m // group
     bits = cache.bits
-    ks, kz, vs, vz = (cache.k, cache.k, cache.v, cache.v) if bits == 16 else (  # not read for bits 16
-        cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
+    ks, kz, vs, vz = scale_args(cache)
     if num_warps is None:
         num_warps = 8 if bits != 16 and d > 64 else 4
     grid = (triton.cdiv(max_n, rows), kv_heads, batch)

@@ -11,28 +11,23 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import quantkit
-from quantkit.config import QuantizeConfig, WeightQuantConfig
-from quantkit.formats.compressed_tensors import kv_cache_scales
+from quantkit.formats.compressed_tensors import KV_SCALE_NAMES, kv_cache_scales
 from quantkit.formats.kv_stats import read_kv_stats
 from quantkit.quantize import export
 from quantkit.quantize.kv_stats import kv_calibrate
+from quantize.test_export_interop import _quantize
 from tiny import make_text
 
-SCALE_SUFFIXES = ("k_scale", "v_scale")
-
-
-def _export(src, text_file, out, fmt):
-    cfg = QuantizeConfig(method="rtn", weight=WeightQuantConfig(4, 32), format=fmt)
-    return quantkit.quantize(str(src), cfg, work_dir=out, progress=False, kv_calib=str(text_file)).work_dir
+SCALE_SUFFIXES = KV_SCALE_NAMES
 
 
 @pytest.fixture(scope="module")
 def exports(tiny_models, text_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("refresh")
-    out = {fmt: _export(tiny_models["llama"], text_file, root / fmt, fmt) for fmt in ("awq", "compressed-tensors")}
+    out = {fmt: _quantize(tiny_models["llama"], text_file, root / fmt, fmt) for fmt in ("awq", "compressed-tensors")}
     with pytest.MonkeyPatch.context() as mp:  # shards small enough that the tiny model spans several
         mp.setattr(export, "STREAM_SHARD_BYTES", 64 * 1024)
-        out["sharded"] = _export(tiny_models["llama"], text_file, root / "sharded", "compressed-tensors")
+        out["sharded"] = _quantize(tiny_models["llama"], text_file, root / "sharded", "compressed-tensors")
     return out
 
 
