@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from quantkit.config import UserError
 from quantkit.engine.config import SamplingParams
 from quantkit.engine.llm_engine import encode_chat
-from quantkit.server.engine_loop import ChatWithImages, EngineClient, EngineLoop
+from quantkit.server.engine_loop import EngineClient, EngineLoop
+from quantkit.server.engine_requests import ChatWithImages
 from quantkit.server.generation import Job, Renderer
 from quantkit.server.metrics import ServerMetrics
 from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request

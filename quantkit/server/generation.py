@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
-from quantkit.server.engine_loop import EngineClient, EngineFailure
+from quantkit.server.engine_loop import EngineClient
+from quantkit.server.engine_requests import EngineFailure
 from quantkit.server.metrics import ServerMetrics
 from quantkit.server.protocol import DONE, APIError, sse, usage_dict
 
