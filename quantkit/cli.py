@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 from quantkit.config import WRITABLE_BITS_DOC, UserError, build_config, check_device, load_recipe
+from quantkit.server.cli import DTYPE as ENGINE_DTYPE  # --dtype, shared with `quantkit serve` (typer only)
 
 app = typer.Typer(
     help="Make LLMs small and fast: quantize Hugging Face checkpoints (RTN, int8, AWQ), evaluate and run them.",
@@ -100,6 +101,7 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop at this string (repeatable)."),
     kv_bits: int = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and head)."),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda [default: cuda when present]."),
+    dtype: str = ENGINE_DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print the responses as JSON."),
 ) -> None:
     """Generate text for a batch of prompts on the engine (all prompts batched together)."""
@@ -110,7 +112,7 @@ def generate(
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=stop)
     params.validate()
-    pipe = pipeline(checkpoint, EngineConfig(kv_bits=kv_bits, device=device))
+    pipe = pipeline(checkpoint, EngineConfig(kv_bits=kv_bits, device=device, dtype=dtype))
     responses = pipe(prompts, params, progress=False)
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in responses], ensure_ascii=False, indent=2))
@@ -308,6 +310,7 @@ def chat(
     kv_scales: str = typer.Option("online", "--kv-scales", help="With --kv-bits 8/4: online (each token's own "
                                   "range) or static (per-head scales from the model's quantkit/kv_stats.safetensors)."),
     device: str | None = DEVICE,
+    dtype: str = ENGINE_DTYPE,
 ) -> None:
     """Chat in the terminal: streamed answers, multi-turn history; 'exit' leaves, 'clear' starts over."""
     from quantkit.engine import EngineConfig, SamplingParams
@@ -315,7 +318,7 @@ def chat(
 
     check_device(device)
     run_chat(model, EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, device=device,
-                                 kv_scales=kv_scales),
+                                 dtype=dtype, kv_scales=kv_scales),
              SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k), system)
 
 

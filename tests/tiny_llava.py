@@ -116,5 +116,32 @@ def make_image(seed: int, size: tuple[int, int] = (40, 70)):
     return Image.fromarray((rng.rand(*size, 3) * 255).astype("uint8"))
 
 
+def png_header_only(width: int, height: int, data: bytes = b"") -> bytes:
+    """A PNG whose header says width × height (8-bit grey) and whose compressed pixel data is `data` (a few
+    rows by default): a decompression bomb's shape, a few hundred bytes that claim any size."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = data or zlib.compress(b"\0" * (width + 1) * 4)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def data_url(image_or_bytes) -> str:
+    """A data:image/png;base64 URL of a PIL image (saved as PNG) or of bytes as they are."""
+    import base64
+    import io
+
+    data = image_or_bytes
+    if not isinstance(data, bytes):
+        buf = io.BytesIO()
+        image_or_bytes.save(buf, format="PNG")
+        data = buf.getvalue()
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
 def messages(text: str, n_images: int = 1) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]

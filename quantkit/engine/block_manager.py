@@ -1,44 +1,51 @@
 """BlockManager: which KV blocks are free, who holds each, and which full blocks hold which tokens.
 
 A sequence's tokens live in fixed-size blocks listed in its block table. A block that is full and
-computed is registered under a hash chained over all blocks before it (its own token ids and the hash
-of the block before), so a later sequence that starts with the same tokens (a chat turn resending its
+computed is registered under a key chained over all blocks before it: the SHA-256 of the key of the
+block before (or of the chain's start: the sequence's images, else `ROOT`) and its own token ids, packed
+as 64-bit integers. A later sequence that starts with the same tokens (a chat turn resending its
 history, a shared system prompt) takes those blocks instead of recomputing them; a block is shared by
-reference count and returns to the free list at 0. Freed blocks keep their hash until reused, oldest
-freed first, so a finished conversation's blocks stay findable while the pool has room.
+reference count and returns to the free list at 0. The key alone decides a hit, so it is a
+cryptographic hash: two different prefixes would need a SHA-256 collision to share KV (Python's
+`hash()` of a tuple is cheap to collide, vLLM's CVE-2025-25183). Freed blocks keep their key until
+reused, oldest freed first, so a finished conversation's blocks stay findable while the pool has room.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Optional
 
 from quantkit.engine.sequence import Sequence
 
-NO_HASH = -1
+ROOT = bytes(32)  # the chain's start for a sequence without images; every parent key is 32 bytes
 
 
-def block_hash(token_ids: list[int], prefix_hash: int) -> int:
-    """The chained hash of a block: equal only for equal tokens after an equal prefix (collisions are
-    caught by comparing the stored token ids)."""
-    return hash((prefix_hash, tuple(token_ids)))
+def block_key(parent: bytes, token_ids: list[int]) -> bytes:
+    """The chained key of a full block: SHA-256 over the parent's 32-byte key and the token ids as
+    fixed-width int64 (so [1, 23] and [12, 3] differ). Equal only for equal tokens after an equal prefix."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
-def chain_start(seq: Sequence) -> int:
-    """The hash a sequence's chain starts from: its images' hash when it has images (two requests share
-    blocks only after the same images), else NO_HASH."""
+def chain_start(seq: Sequence) -> bytes:
+    """The key a sequence's chain starts from: its images' SHA-256 digest when it has images (two requests
+    share blocks only after the same images), else ROOT."""
     images = getattr(seq, "images", None)
-    return NO_HASH if images is None else images.hash
+    if images is None:
+        return ROOT
+    assert isinstance(images.hash, bytes) and len(images.hash) == 32, "images.hash must be a SHA-256 digest"
+    return images.hash
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "key")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.hash = NO_HASH
-        self.token_ids: list[int] = []
+        self.key: Optional[bytes] = None  # set while the block is registered in the prefix cache
 
 
 class BlockManager:
@@ -48,7 +55,7 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
-        self.hash_to_block: dict[int, int] = {}
+        self.key_to_block: dict[bytes, int] = {}
         self.num_hashed: dict[int, int] = {}  # sequence arrival → its leading blocks already registered
         self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache (monitoring)
         self.prefix_hits = 0     # of those, tokens found there
@@ -69,15 +76,24 @@ class BlockManager:
         its logits give the next token."""
         if not self.prefix_caching:
             return []
-        found, h = [], chain_start(seq)
+        found = []
         for i in range((len(seq) - 1) // self.block_size):
-            token_ids = seq.block(i, self.block_size)
-            h = block_hash(token_ids, h)
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            block_id = self.key_to_block.get(self._key(seq, i))
+            if block_id is None:
                 break
             found.append(block_id)
         return found
+
+    def _key(self, seq: Sequence, i: int) -> bytes:
+        """The key of seq's full block i, computed once per sequence (its tokens only grow), so a prompt
+        waiting for room is not rehashed at every step."""
+        keys = seq.block_keys
+        while len(keys) <= i:
+            parent = keys[-1] if keys else chain_start(seq)
+            tokens = seq.block(len(keys), self.block_size)
+            assert len(tokens) == self.block_size, f"{seq}: block {len(keys)} is not full"
+            keys.append(block_key(parent, tokens))
+        return keys[i]
 
     def can_allocate(self, seq: Sequence) -> bool:
         cached = self._cached_prefix(seq)
@@ -105,9 +121,9 @@ class BlockManager:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]  # evicted: its tokens are about to be overwritten
-        block.hash, block.token_ids, block.ref_count = NO_HASH, [], 1
+        if block.key is not None and self.key_to_block.get(block.key) == block_id:
+            del self.key_to_block[block.key]  # evicted: its tokens are about to be overwritten
+        block.key, block.ref_count = None, 1
         return block_id
 
     def deallocate(self, seq: Sequence) -> None:
@@ -139,10 +155,8 @@ class BlockManager:
         end = seq.num_computed_tokens // self.block_size
         if end <= start:  # no block filled since the last call: most decode steps
             return
-        h: Optional[int] = self.blocks[seq.block_table[start - 1]].hash if start > 0 else chain_start(seq)
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
-            block.token_ids = seq.block(i, self.block_size)
-            h = block.hash = block_hash(block.token_ids, h)
-            self.hash_to_block[h] = block.block_id
+            block.key = self._key(seq, i)
+            self.key_to_block[block.key] = block.block_id
         self.num_hashed[seq.arrival] = max(start, end)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from quantkit.config import ConfigError
 
 KV_BITS = (16, 8, 4)
+DTYPES = ("auto", "float16", "bfloat16")  # --dtype; auto is resolved per checkpoint (engine/model.py resolve_dtype)
 
 
 @dataclass
@@ -18,6 +19,10 @@ class EngineConfig:
     `cache_max_entry_count` is lmdeploy's: the fraction of GPU memory left after the weights and a warm-up
     that the KV pool takes. On the CPU the pool holds `num_kv_tokens` tokens (8192 when unset); set it on
     CUDA to fix the pool's size instead of taking a fraction.
+
+    `dtype` (activations and unquantized weights): "auto" (None alike) takes the checkpoint's torch_dtype on
+    CUDA (float16 for AWQ exports) and float32 on the CPU; "float16", "bfloat16" or a torch dtype is used
+    as given.
     """
 
     kv_bits: int = 16
@@ -28,7 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None
     device: Optional[str] = None
-    dtype: Optional[Any] = None
+    dtype: Any = "auto"
     cuda_graphs: bool = True
     enable_prefix_caching: bool = True
     # kv_bits 8/4: "online" scales each token's K/V by its own range; "static" by per-layer per-head scales
@@ -54,6 +59,16 @@ class EngineConfig:
             raise ConfigError(f"--kv-scales {self.kv_scales!r} is not supported: choose online or static.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len {self.max_model_len} must be ≥ 2 tokens (or unset).")
+        if not _is_dtype(self.dtype):
+            raise ConfigError(f"--dtype {self.dtype!r} is not supported: choose {', '.join(DTYPES)}.")
+
+
+def _is_dtype(value: Any) -> bool:
+    if value is None or isinstance(value, str):
+        return value is None or value in DTYPES
+    import torch  # only where a caller passed a torch dtype
+
+    return isinstance(value, torch.dtype) and value in (torch.float16, torch.bfloat16, torch.float32)
 
 
 # The built-in value of each field that a model's generation_config.json may set instead.
@@ -73,9 +88,9 @@ class SamplingParams:
     of every token of the prompt and the output; presence and frequency penalties (OpenAI's) subtract from
     the logits of tokens in the output once, or once per occurrence. `stop` strings end the generation and
     are not part of its text. `logprobs` k returns the chosen token's log-probability and the k most likely
-    (0: the chosen only). `eos_token_ids` are the model's end tokens (filled from the generation config);
-    they stop generation unless `ignore_eos`, while `stop_token_ids` always do. `min_tokens` (vLLM's): no
-    end or stop token can be drawn before that many tokens are out (stop strings still apply).
+    (0: the chosen only). `eos_token_ids` are the model's end tokens (the generation config's and the
+    tokenizer's); they stop generation unless `ignore_eos`, while `stop_token_ids` always do. `min_tokens`
+    (vLLM's): no end or stop token can be drawn before that many tokens are out (stop strings still apply).
     """
 
     max_tokens: Optional[int] = None
@@ -106,8 +121,9 @@ class SamplingParams:
 
     def with_defaults(self, generation_config: Any = None, eos_token_id: Any = None) -> "SamplingParams":
         """A copy with every unset field filled: from `generation_config` (a transformers GenerationConfig,
-        a dict of its fields, or None) where it sets the field, else the built-in default. The config's
-        eos_token_id (int or list; else `eos_token_id`, e.g. the tokenizer's) becomes `eos_token_ids`.
+        a dict of its fields, or None) where it sets the field, else the built-in default. `eos_token_ids`
+        is the union of the config's eos_token_id (int or list) and `eos_token_id` (the tokenizer's), as
+        vLLM stops: a chat model's config often names its end-of-turn token, its tokenizer the end of text.
 
         A config that says do_sample false makes the default greedy (temperature 0), as transformers'
         `generate` would decode that model.
@@ -122,10 +138,8 @@ class SamplingParams:
                 value = 0.0
             filled[name] = default if value is None else type(default)(value)
         if self.eos_token_ids is None:
-            eos = gen.get("eos_token_id")
-            if eos is None:
-                eos = eos_token_id
-            filled["eos_token_ids"] = [] if eos is None else [int(t) for t in ([eos] if isinstance(eos, int) else eos)]
+            ids = _token_ids(gen.get("eos_token_id")) + _token_ids(eos_token_id)
+            filled["eos_token_ids"] = list(dict.fromkeys(ids))  # the config's first, each once
         out = dataclasses.replace(self, **filled)
         out.validate()
         return out
@@ -148,6 +162,13 @@ class SamplingParams:
             raise ConfigError(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 turns it off).")
         if self.logprobs is not None and self.logprobs < 0:
             raise ConfigError(f"logprobs {self.logprobs} must be ≥ 0 (0: the chosen token's only).")
+
+
+def _token_ids(value: Any) -> list[int]:
+    """An eos_token_id setting (None, an int or a list of ints) as a list."""
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(t) for t in value]
 
 
 def _as_dict(generation_config: Any) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import Sequence
 
 Prompt = Union[str, Seq[int], Seq[dict], MultiModalPrompt]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,7 +48,9 @@ class Usage:
 @dataclass
 class RequestOutput:
     """What one step produced for one request: the new text and token ids (the whole answer in the
-    outputs `generate` returns), whether it finished and why ("stop", "length" or "abort")."""
+    outputs `generate` returns), whether it finished and why ("stop", "length", "abort", or "error" when
+    something failed while its token was sampled, detokenized or stop-checked: `error` says what; the
+    request was ended alone, the others went on)."""
 
     request_id: str
     text: str
@@ -55,6 +59,7 @@ class RequestOutput:
     finish_reason: Optional[str]
     usage: Usage
     logprobs: Optional[list] = None      # sampler.TokenLogprobs per new token, when the request asked
+    error: Optional[str] = None          # finish_reason "error": what went wrong with this request alone
 
 
 @dataclass
@@ -91,6 +96,14 @@ def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+class RequestFailed(RuntimeError):
+    """A request ended with finish_reason "error" (raised by `stream` and `astream`); the engine goes on."""
+
+
+class EngineFailed(RuntimeError):
+    """A step failed as a whole (the model's forward, a device fault): every request of `astream` gets it."""
+
+
 class Engine:
     """Continuous-batching inference over our decoder and a paged KV pool; see the module docstring."""
 
@@ -102,8 +115,7 @@ class Engine:
             from quantkit.engine.kv_scales import stats_file_for
 
             config = dataclasses.replace(config, kv_stats=str(stats_file_for(path, config.kv_stats)))
-        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-        model, tokenizer, generation_config = load_decoder(path, config.device, dtype)
+        model, tokenizer, generation_config = load_decoder(path, config.device, config.dtype)
         from quantkit.engine.vision import load_vision
 
         self.vision = load_vision(path, model.device, model.dtype)  # a LLaVA checkpoint's image half, else None
@@ -151,8 +163,10 @@ class Engine:
                 raise UserError(f"request id {request_id!r} is already running: give each request its own id")
             seq = Sequence(token_ids, params, request_id)
             seq.images = images
-            self.scheduler.add(seq)  # refuses a prompt the pool or max_model_len cannot hold
             detok = IncrementalDetokenizer(self.tokenizer, seq) if self.tokenizer is not None else None
+            # The last call that can refuse (a prompt the pool or max_model_len cannot hold): nothing is
+            # left half-added when anything before it raises.
+            self.scheduler.add(seq)
             self._requests[request_id] = _Request(seq, detok)
         return request_id
 
@@ -198,7 +212,11 @@ class Engine:
     # --- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; one RequestOutput per request that got a token or finished."""
+        """Schedule, run the model once, sample; one RequestOutput per request that got a token or finished.
+
+        The forward is shared: when it raises, the step raises (the engine's state is then not trusted).
+        Everything after it is one request's own work (sampling its token, appending it, detokenizing,
+        checking its stops): a failure there ends that request alone with finish_reason "error"."""
         with self._lock:
             batch = self.scheduler.schedule()
             if not batch:
@@ -207,11 +225,53 @@ class Engine:
                                        f"waiting and {len(self.scheduler.running)} running sequences")
                 return []
             logits, seqs = self.runner.run(batch)
-            token_ids, logprobs = self.sampler(logits, seqs) if seqs else (torch.empty(0), None)
-            token_ids = token_ids.tolist()
-            self.scheduler.postprocess(batch, token_ids, logprobs)
-            outputs = [self._advance(seq, tok) for seq, tok in zip(seqs, token_ids)]
-            return [out for out in outputs if out is not None]
+            token_ids, logprobs, errors = self._sample(logits, seqs) if seqs else ([], [], {})
+            self.scheduler.account(batch)
+            outputs = []
+            for i, seq in enumerate(seqs):
+                try:
+                    if i in errors:
+                        raise errors[i]
+                    self.scheduler.append(seq, token_ids[i], logprobs[i])
+                    out = self._advance(seq, token_ids[i])
+                except Exception as exc:  # this request's fault alone: end it, keep stepping the others
+                    out = self._fail(seq, exc)
+                if out is not None:
+                    outputs.append(out)
+            return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list, dict[int, Exception]]:
+        """The batch's tokens and logprobs, and {index: exception} of the sequences whose sampling failed.
+        When the batched call raises, each sequence is sampled alone to find whose settings failed it."""
+        try:
+            token_ids, logprobs = self.sampler(logits, seqs)
+            return token_ids.tolist(), logprobs, {}
+        except Exception as exc:
+            if len(seqs) == 1:
+                return [0], [None], {0: exc}
+        token_ids, logprobs, errors = [], [], {}
+        for i, seq in enumerate(seqs):
+            try:
+                ids, lps = self.sampler(logits[i:i + 1], [seq])
+                token_ids.append(int(ids.item()))
+                logprobs.append(lps[0])
+            except Exception as exc:
+                token_ids.append(0)
+                logprobs.append(None)
+                errors[i] = exc
+        return token_ids, logprobs, errors
+
+    def _fail(self, seq: Sequence, exc: Exception) -> Optional[RequestOutput]:
+        """End seq's request with finish_reason "error" after `exc` (its blocks are freed at once)."""
+        log.error("request %s failed and was ended alone: %s: %s", seq.request_id, type(exc).__name__, exc,
+                  exc_info=exc)
+        self.scheduler.finish(seq, "error")
+        req = self._requests.pop(seq.request_id, None)
+        if req is None:
+            return None
+        out = self._output(req, [], "", finished=True, reason="error")
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
 
     def _advance(self, seq: Sequence, token_id: int) -> Optional[RequestOutput]:
         req = self._requests.get(seq.request_id)
@@ -299,6 +359,8 @@ class Engine:
                 for out in self.step():
                     if out.request_id == rid:
                         finished = out.finished
+                        if out.finish_reason == "error":
+                            raise RequestFailed(out.error)
                         yield out
         finally:
             if not finished:
@@ -307,7 +369,8 @@ class Engine:
     async def astream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """`stream` for asyncio: any number of concurrent consumers share one stepping task, which runs
-        the steps in a worker thread so the event loop stays free."""
+        the steps in a worker thread so the event loop stays free. A request that fails alone raises
+        RequestFailed in its consumer; a step that fails as a whole raises EngineFailed in every one."""
         rid = self.add_request(prompt, params, request_id)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -317,7 +380,11 @@ class Engine:
         try:
             while not finished:
                 out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
                 finished = out.finished
+                if out.finish_reason == "error":
+                    raise RequestFailed(out.error)
                 yield out
         finally:
             self._queues.pop(rid, None)
@@ -326,7 +393,15 @@ class Engine:
 
     async def _step_loop(self) -> None:
         while self._queues and self.has_unfinished_requests():
-            for out in await asyncio.to_thread(self.step):
+            try:
+                outputs = await asyncio.to_thread(self.step)
+            except Exception as exc:  # the consumers learn of it instead of waiting forever
+                log.exception("an engine step failed")
+                error = EngineFailed(f"the engine step failed: {type(exc).__name__}: {exc}")
+                for queue in list(self._queues.values()):
+                    queue.put_nowait(error)             # each consumer aborts its request as it leaves
+                return
+            for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)

@@ -166,20 +166,49 @@ class DecoderModel(nn.Module):
         return self.model.embed_tokens.weight.device
 
 
+def resolve_dtype(requested: Any, config: dict, device: torch.device) -> torch.dtype:
+    """The dtype of activations and unquantized weights: `requested` (EngineConfig.dtype: a torch dtype,
+    "float16", "bfloat16", or "auto"/None) for a checkpoint whose config.json is `config`, on `device`.
+
+    auto on the CPU is float32 (what the CPU's reference paths run fastest and most exactly). On CUDA:
+    float16 for an AWQ export (its kernels were tuned and its scales stored in fp16), else the
+    checkpoint's torch_dtype: bfloat16 stays bfloat16 (fp16 can overflow on a bf16-trained model),
+    float32 becomes bfloat16 (the same exponent range at half the memory), float16 or unset is float16.
+    bfloat16 falls back to float16 on a GPU without it."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested not in (None, "auto"):
+        return getattr(torch, requested)  # EngineConfig accepted the name
+    if device.type != "cuda":
+        return torch.float32
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "awq":
+        return torch.float16
+    saved = str(config.get("torch_dtype") or config.get("dtype") or "float16").removeprefix("torch.")
+    if saved not in ("bfloat16", "float32"):
+        return torch.float16
+    if not torch.cuda.is_bf16_supported():
+        log.warning("the checkpoint is %s but this GPU has no bfloat16: running in float16, which can "
+                    "overflow where bfloat16 would not", saved)
+        return torch.float16
+    return torch.bfloat16
+
+
 def load_decoder(path: str | Path, device: Optional[str | torch.device] = None,
-                 dtype: Optional[torch.dtype] = None) -> tuple[DecoderModel, Any, Any]:
+                 dtype: Any = None) -> tuple[DecoderModel, Any, Any]:
     """(model, tokenizer, generation_config) for an fp16/bf16/fp32 HF directory (InternLM2 converted)
     or a quantkit export (AWQ gemm, compressed-tensors W4/W8).
 
-    `device` defaults to CUDA when present; `dtype` (activations and unquantized weights) to float16
-    on CUDA and float32 on the CPU."""
+    `device` defaults to CUDA when present; `dtype` (activations and unquantized weights; a torch dtype,
+    "float16", "bfloat16" or "auto") is resolved by `resolve_dtype`, None as auto."""
     from quantkit.config import check_device
-    from quantkit.models.loading import _load_tokenizer
+    from quantkit.models.loading import _load_tokenizer, read_config_json
 
     check_device(None if device is None else str(device))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     ckpt = weights.open_checkpoint(Path(path))
+    dtype = resolve_dtype(dtype, read_config_json(ckpt.directory), device)
+    log.info("dtype %s on %s", str(dtype).removeprefix("torch."), device)
     with torch.device("meta"):
         model = DecoderModel(ckpt.config)
     weights.load_weights(model, ckpt, device, dtype)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from quantkit.config import UserError
+from quantkit.config import ConfigError, UserError
 from quantkit.engine.attention import AttnMetadata, set_metadata
 from quantkit.engine.kv_scales import pool_static_scales
 from quantkit.engine.multimodal import step_embeds
@@ -73,7 +73,7 @@ class ModelRunner:
         self.device, self.dtype = model.device, model.dtype
         self.block_size = config.block_size
         self.num_layers, self.kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
-        self.max_model_len = min(config.max_model_len or model.max_positions, model.max_positions)
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len, model.max_positions)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.num_blocks = self._allocate_pool()
         self._warmup_pool()
@@ -81,6 +81,16 @@ class ModelRunner:
         self.use_graphs = bool(config.cuda_graphs) and self.device.type == "cuda"
         if self.use_graphs:
             self.capture_graphs()
+
+    @staticmethod
+    def _resolve_max_model_len(requested: Optional[int], max_positions: int) -> int:
+        """The context one sequence may hold: `requested`, else the model's; past the model's positions
+        (its rotary table, max_position_embeddings) a request is refused, not shortened unseen."""
+        if requested is not None and requested > max_positions:
+            raise ConfigError(f"--max-model-len {requested} is more than this model supports ({max_positions} "
+                              f"tokens, its max_position_embeddings): pass {max_positions} or less, or leave it "
+                              "unset.")
+        return requested or max_positions
 
     # --- the pool ---------------------------------------------------------------------------------
 

@@ -21,11 +21,12 @@ import torch
 @dataclass
 class ImageInputs:
     """The embeddings [P, hidden] that replace the prompt's image placeholder tokens, at `positions`
-    (ascending prompt positions, one per row), and `hash`, an int identifying the images' pixels."""
+    (ascending prompt positions, one per row), and `hash`, the SHA-256 digest of the images' pixels
+    (`pixel_hash`): the start of the request's prefix-cache key chain."""
 
     positions: list[int]
     embeds: torch.Tensor
-    hash: int
+    hash: bytes
 
     def __post_init__(self) -> None:
         if len(self.positions) != self.embeds.shape[0]:
@@ -47,14 +48,15 @@ class MultiModalPrompt:
         return len(self.token_ids)
 
 
-def pixel_hash(tensors: Iterable[torch.Tensor]) -> int:
-    """A 63-bit hash of the tensors' shapes and bytes (the prefix cache's seed for a request's images)."""
+def pixel_hash(tensors: Iterable[torch.Tensor]) -> bytes:
+    """The SHA-256 digest (32 bytes) of the tensors' shapes, dtypes and bytes: the prefix cache's chain
+    start for a request's images, so blocks after different images never share a key."""
     h = hashlib.sha256()
     for t in tensors:
         t = t.detach().cpu().contiguous()
         h.update(repr((tuple(t.shape), str(t.dtype))).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return int.from_bytes(h.digest()[:8], "little") >> 1
+    return h.digest()
 
 
 def step_embeds(batch, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

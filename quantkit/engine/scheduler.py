@@ -166,16 +166,28 @@ class Scheduler:
         sampled = batch.sampled
         if len(token_ids) != len(sampled):
             raise ValueError(f"{len(token_ids)} sampled tokens for {len(sampled)} sequences")
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-            self.block_manager.hash_blocks(seq)
+        self.account(batch)
         for i, (seq, token_id) in enumerate(zip(sampled, token_ids)):
-            token_id = int(token_id)
-            seq.append_token(token_id)
-            if logprobs is not None and logprobs[i] is not None:
-                seq.output_logprobs.append(logprobs[i])
-            if token_id in seq.stop_ids:
-                self.finish(seq, "stop", token_id if token_id in seq.params.stop_token_ids else None)
-            elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_len:
-                self.finish(seq, "length")
+            self.append(seq, token_id, None if logprobs is None else logprobs[i])
         return sampled
+
+    def account(self, batch: ScheduledBatch) -> None:
+        """The step's tokens are computed: count them and register the blocks they filled. Read
+        `batch.sampled` before this (it is computed from what is not yet counted). Sequences finished
+        meanwhile (a request failed while its token was sampled) hold no blocks and are skipped."""
+        for seq, n in batch:
+            if not seq.is_finished:
+                seq.num_computed_tokens += n
+                self.block_manager.hash_blocks(seq)
+
+    def append(self, seq: Sequence, token_id: int, logprobs: Optional[object] = None) -> None:
+        """seq's sampled token: append it, finish seq on a stop token ("stop"), its max_tokens or the
+        length limit ("length")."""
+        token_id = int(token_id)
+        seq.append_token(token_id)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        if token_id in seq.stop_ids:
+            self.finish(seq, "stop", token_id if token_id in seq.params.stop_token_ids else None)
+        elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_len:
+            self.finish(seq, "length")

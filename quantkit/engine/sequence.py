@@ -34,6 +34,7 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []               # prefix-cache keys of its leading full blocks (block_manager)
         self.status = SequenceStatus.WAITING
         self.finish_reason: Optional[str] = None       # "stop", "length" or "abort"
         self.stop_reason: Union[int, str, None] = None  # the stop token id or stop string that ended it

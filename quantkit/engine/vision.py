@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.config import UserError
-from quantkit.engine.images import ImageError, load_image
+from quantkit.engine.images import LOCAL_USER, ImageError, ImagePolicy, load_image
 from quantkit.engine.multimodal import ImageInputs, MultiModalPrompt, pixel_hash
 from quantkit.models.lazy import TensorReader
 from quantkit.models.loading import ModelLoadError, read_config_json, transformers_config
@@ -80,7 +80,7 @@ class VisionEncoder:
     def chat_template(self) -> Optional[str]:
         return getattr(self.processor, "chat_template", None)
 
-    def _conversation(self, messages: list[dict], allow_download: bool) -> tuple[list[dict], list]:
+    def _conversation(self, messages: list[dict], policy: ImagePolicy) -> tuple[list[dict], list]:
         """Messages with their image parts loaded (in order) and replaced by {"type": "image"} markers."""
         conversation, images = [], []
         for message in messages:
@@ -97,7 +97,7 @@ class VisionEncoder:
                         source = part.get("image_url", part.get("image", part.get("url")))
                         if isinstance(source, dict):
                             source = source.get("url")
-                        images.append(load_image(source, allow_download))
+                        images.append(load_image(source, policy))
                         parts.append({"type": "image"})
                     else:
                         raise UserError(f"unknown content part {part!r}: use {{'type': 'text', 'text': …}} or "
@@ -127,11 +127,11 @@ class VisionEncoder:
         out = self.model.get_image_features(**kwargs, return_dict=True)
         return torch.cat(list(out["pooler_output"]), dim=0)  # a ModelOutput is a dict too
 
-    def encode(self, messages: list[dict], allow_download: bool = True) -> MultiModalPrompt:
+    def encode(self, messages: list[dict], policy: ImagePolicy = LOCAL_USER) -> MultiModalPrompt:
         """Chat messages (content a string or OpenAI-style parts: text, image_url, image) → token ids with the
         image placeholders expanded, and the features that go there. Images are paths, PIL images, data:
-        URLs, or http(s) URLs (downloaded unless `allow_download` is False)."""
-        conversation, images = self._conversation(messages, allow_download)
+        URLs, or http(s) URLs, read as `policy` allows (a local user's by default: files and downloads)."""
+        conversation, images = self._conversation(messages, policy)
         text = self._prompt_text(conversation)
         try:
             inputs = self.processor(text=text, images=images or None, return_tensors="pt")

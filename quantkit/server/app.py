@@ -5,7 +5,8 @@
     GET  /metrics               Prometheus text (metrics.py)
     GET  /v1/models             the served model
     POST /v1/chat/completions   chat: the tokenizer's chat template, streamed (SSE) or whole; image_url parts
-                                (a data: URL or a local path) for a model with a vision tower (LLaVA)
+                                (a data: URL, or a path under --allowed-local-media-path) for a model with a
+                                vision tower (LLaVA)
     POST /v1/completions        text or token-id prompts, streamed or whole
 
 The /v1 generation routes take GET with a JSON body too (some clients send that). Bodies are parsed
@@ -17,7 +18,7 @@ from __future__ import annotations
 import hmac
 import importlib.resources
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import FastAPI, Request
@@ -26,12 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantkit.config import UserError
 from quantkit.engine.config import SamplingParams
+from quantkit.engine.images import ImagePolicy
 from quantkit.engine.llm_engine import encode_chat
 from quantkit.server.engine_loop import EngineClient, EngineLoop
 from quantkit.server.engine_requests import ChatWithImages
 from quantkit.server.generation import Job, Renderer
 from quantkit.server.metrics import ServerMetrics
-from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from quantkit.server.limits import RequestLimits
+from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request, read_body
+from quantkit.server.token_spelling import TokenSpeller
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ class AppSettings:
     api_key: Optional[str] = None
     max_queue: int = 512                  # requests waiting beyond the engine's batch before 429
     allow_origins: Sequence[str] = ()     # CORS origins (a chat page served elsewhere)
+    # image parts: data: URLs; local files only under --allowed-local-media-path; sizes capped
+    images: ImagePolicy = field(default_factory=ImagePolicy.served)
+    limits: RequestLimits = field(default_factory=RequestLimits)   # body bytes, prompts, messages, stops
 
 
 class EventStream(Response):
@@ -77,7 +84,7 @@ class Server:
         self.metrics = ServerMetrics()
         self.names = {settings.served_model_name, *settings.model_aliases}
         self.tokenizer = self.info.tokenizer
-        self._token_texts: dict[int, str] = {}
+        self.spell_token = TokenSpeller(self.tokenizer)   # logprobs' `token` and `bytes` of an id
 
     # --- checks ---------------------------------------------------------------------------------------
 
@@ -100,7 +107,10 @@ class Server:
 
     def check_capacity(self, num_sequences: int) -> None:
         if not self.loop.alive:
-            raise APIError(503, f"the engine is not running ({self.loop.error or 'stopped'})", type="server_error")
+            retry = self.loop.retry_after
+            raise APIError(503, f"the engine is not running ({self.loop.error or self.loop.state})"
+                           + ("; it is restarting: retry in a few seconds" if retry else ""), type="server_error",
+                           headers={"Retry-After": str(retry)} if retry else None)
         limit = self.info.max_num_seqs + self.settings.max_queue
         if num_sequences > limit:
             raise APIError(400, f"this request needs {num_sequences} sequences but the server holds at most "
@@ -112,13 +122,6 @@ class Server:
                            headers={"Retry-After": "1"})
 
     # --- tokens ---------------------------------------------------------------------------------------
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
-            self._token_texts[token_id] = text
-        return text
 
     def encode_messages(self, req: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
@@ -143,8 +146,9 @@ class Server:
                            param="messages") from None
 
     def encode_image_messages(self, req: ChatCompletionRequest) -> ChatWithImages:
-        """Messages with image_url parts (a data: URL or a local file path each; nothing is downloaded), for
-        the engine's vision tower. A model without one: 400."""
+        """Messages with image_url parts (a data: URL each, or a local file path under the server's
+        --allowed-local-media-path; nothing is downloaded), for the engine's vision tower, which reads them
+        under `settings.images`. A model without one: 400."""
         if not self.info.has_vision:
             raise APIError(400, "this model takes no images (it has no vision tower): send text content only",
                            param="messages", code="unsupported_parameter")
@@ -155,23 +159,18 @@ class Server:
                 content = [{"type": "image_url", "image_url": {"url": _image_url(p.image_url)}}
                            if p.type == "image_url" else {"type": p.type, "text": p.text or ""} for p in content]
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        return ChatWithImages(messages)
+        return ChatWithImages(messages, self.settings.images)
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
             return list(self.tokenizer(prompt)["input_ids"])
-        if not all(isinstance(t, int) for t in prompt):
-            raise APIError(400, "a token-id prompt is a list of integers", param="prompt", code="invalid_type")
-        vocab = self.info.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
-        return list(prompt)
+        return list(prompt)   # ids in the vocabulary: CompletionRequest checked them
 
     def params(self, req: Any, prompt_len: int, choice: int) -> SamplingParams:
         limit = self.info.max_len - prompt_len
-        seed = None if req.seed is None else req.seed + choice
+        seed = None if req.seed is None else (req.seed + choice) % 2**64   # torch takes [-2**63, 2**64)
         try:
             sp = SamplingParams(
                 max_tokens=min(req.max_new_tokens or limit, limit), temperature=req.temperature, top_p=req.top_p,
@@ -205,7 +204,7 @@ class Server:
         params = [[self.params(req, 0 if isinstance(ids, ChatWithImages) else len(ids), j) for j in range(req.n)]
                   for ids in prompts]
         job = Job(self.loop, self.metrics, endpoint, prompts, params, request.receive)
-        renderer = Renderer(endpoint, self.settings.served_model_name, self.token_text)
+        renderer = Renderer(endpoint, self.settings.served_model_name, self.spell_token)
         want_logprobs = req.num_logprobs is not None
         if req.stream:
             opts = req.stream_options
@@ -230,7 +229,7 @@ def _image_url(value: Any) -> Any:
     if isinstance(value, dict):
         value = value.get("url")
     if not isinstance(value, str) or not value:
-        raise APIError(400, "an image_url part needs {\"url\": \"data:image/...;base64,...\"} or a local file path",
+        raise APIError(400, "an image_url part needs {\"url\": \"data:image/...;base64,...\"}",
                        param="messages", code="invalid_value")
     return value
 
@@ -279,7 +278,8 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
 
     async def chat_completions(request: Request) -> Response:
         server.check_auth(request)
-        req = parse_request(await request.body(), ChatCompletionRequest)
+        req = parse_request(await read_body(request, settings.limits), ChatCompletionRequest, settings.limits,
+                            server.info.vocab_size)
         server.check_model(req.model)
         if has_image_parts(req):  # the engine's side runs the vision tower, between its steps
             prompt = server.encode_image_messages(req)
@@ -289,7 +289,8 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
 
     async def completions(request: Request) -> Response:
         server.check_auth(request)
-        req = parse_request(await request.body(), CompletionRequest)
+        req = parse_request(await read_body(request, settings.limits), CompletionRequest, settings.limits,
+                            server.info.vocab_size)
         server.check_model(req.model)
         prompts = [server.encode_prompt(p) for p in req.prompts()]
         return await server.generate("completions", req, prompts, request)
@@ -301,13 +302,18 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        if server.loop.alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "error", "error": server.loop.error or "the engine loop is not running"},
-                            status_code=503)
+        """200 while the engine serves; 503 while it restarts (with Retry-After) or once it failed."""
+        loop = server.loop
+        if loop.alive:
+            return JSONResponse({"status": "ok", "engine_restarts": loop.restarts})
+        retry = loop.retry_after
+        return JSONResponse({"status": loop.state, "error": loop.error or "the engine is not running",
+                             "engine_restarts": loop.restarts}, status_code=503,
+                            headers={"Retry-After": str(retry)} if retry else None)
 
     async def metrics(request: Request) -> PlainTextResponse:
-        text = server.metrics.render(server.loop.stats(), server.loop.num_in_flight)
+        text = server.metrics.render(server.loop.stats(), server.loop.num_in_flight, server.loop.restarts,
+                                     server.loop.alive)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def page(request: Request) -> Response:

@@ -6,6 +6,14 @@ import logging
 
 import typer
 
+from quantkit.server.limits import RequestLimits
+
+LIMITS = RequestLimits()
+# --dtype of every engine command (serve here; chat and generate import it).
+DTYPE = typer.Option("auto", "--dtype", help="Activations and unquantized weights: auto, float16 or bfloat16. "
+                     "auto takes the checkpoint's torch_dtype on CUDA (bfloat16 stays bfloat16, float32 becomes "
+                     "bfloat16, float16 or none is float16; AWQ exports always float16) and float32 on the CPU.")
+
 
 def serve(
     model: str = typer.Argument(..., show_default=False, help="An HF model directory, a quantkit export, or "
@@ -31,7 +39,7 @@ def serve(
     max_queue: int = typer.Option(512, "--max-queue", help="Most sequences waiting beyond --max-batch-size; "
                                   "requests past that are answered 429 with Retry-After."),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length, prompt and answer "
-                                             "together (default: the model's)."),
+                                             "together (default and most: the model's max_position_embeddings)."),
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", help="Tokens one step computes "
                                                "at most (longer prompts are prefilled in chunks)."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="QUANTKIT_API_KEY", help="Require "
@@ -39,6 +47,7 @@ def serve(
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer directory to use instead of the "
                                          "model's (or of a random model's byte-level one)."),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    dtype: str = DTYPE,
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA "
                                      "graphs."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV blocks "
@@ -53,6 +62,38 @@ def serve(
     engine_thread: bool = typer.Option(False, "--engine-thread", help="Step the engine in a thread of the HTTP "
                                        "server's process instead of a process of its own (one process; the "
                                        "two then share the GIL)."),
+    allowed_local_media_path: str | None = typer.Option(
+        None, "--allowed-local-media-path", metavar="DIR", help="Let image parts name files (a path, relative to "
+        "DIR or absolute, or a file:// URL) under DIR, after resolving '..' and symlinks (default: none; images "
+        "come as data: URLs, and nothing is downloaded)."),
+    max_image_bytes: int = typer.Option(20 * 2**20, "--max-image-bytes", help="Largest encoded image a request "
+                                        "may send (a file's size, a data: URL's decoded bytes); checked before "
+                                        "decoding."),
+    max_image_pixels: int = typer.Option(25_000_000, "--max-image-pixels", help="Most pixels (width x height, "
+                                         "from the image's header, before decoding) an image may have; PIL "
+                                         "refuses more than 178,956,970 whatever this says."),
+    max_request_bytes: int = typer.Option(LIMITS.max_request_bytes, "--max-request-bytes", help="Largest request "
+                                          "body (default 16 MiB); a longer one is answered 413 without being "
+                                          "read whole."),
+    max_prompts_per_request: int = typer.Option(LIMITS.max_prompts_per_request, "--max-prompts-per-request",
+                                                help="Most prompts in one /v1/completions request."),
+    max_messages: int = typer.Option(LIMITS.max_messages, "--max-messages", help="Most messages in one chat "
+                                     "request."),
+    max_stop: int = typer.Option(LIMITS.max_stop, "--max-stop", help="Most stop strings in one request."),
+    max_stop_chars: int = typer.Option(LIMITS.max_stop_chars, "--max-stop-chars", help="Longest stop string, "
+                                       "in characters."),
+    max_json_depth: int = typer.Option(LIMITS.max_json_depth, "--max-json-depth", help="Deepest nesting of "
+                                       "arrays and objects in a request body (a chat request with image parts "
+                                       "nests 5 deep)."),
+    engine_step_timeout: float = typer.Option(120.0, "--engine-step-timeout", help="Seconds the engine may go "
+                                              "without finishing a step while requests are pending before the "
+                                              "watchdog counts it as hung: its process is killed and restarted "
+                                              "(with --engine-thread the server exits non-zero)."),
+    engine_restarts: int = typer.Option(3, "--engine-restarts", help="Restarts of a crashed or hung engine "
+                                        "process within 10 minutes (after 1, 2, 4... s of back-off; /health "
+                                        "answers 503 with Retry-After meanwhile); one more failure and the "
+                                        "server exits non-zero so that its supervisor restarts it. 0: exit at "
+                                        "the first failure."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
     """OpenAI-compatible HTTP server on the engine: /v1/chat/completions, /v1/completions, /v1/models,
@@ -67,9 +108,14 @@ def serve(
     engine = EngineConfig(kv_bits=kv_bits, kv_scales=kv_scales, cache_max_entry_count=cache_max_entry_count,
                           num_kv_tokens=num_kv_tokens,
                           max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, device=device, cuda_graphs=cuda_graphs,
+                          max_model_len=max_model_len, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                           enable_prefix_caching=prefix_caching)
     run_serve(ServeConfig(model=model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           max_queue=max_queue, tokenizer=tokenizer, engine=engine, allow_origins=allow_origins,
                           shutdown_timeout=shutdown_timeout, access_log=access_log,
-                          log_level="warning" if quiet else "info", engine_thread=engine_thread))
+                          log_level="warning" if quiet else "info", engine_thread=engine_thread,
+                          engine_step_timeout=engine_step_timeout, engine_restarts=engine_restarts,
+                          allowed_local_media_path=allowed_local_media_path, max_image_bytes=max_image_bytes,
+                          max_image_pixels=max_image_pixels,
+                          limits=RequestLimits(max_request_bytes, max_prompts_per_request, max_messages, max_stop,
+                                               max_stop_chars, max_json_depth)))

@@ -4,18 +4,25 @@ Plain data, pickled across the engine process's pipes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 from quantkit.config import UserError
+from quantkit.engine.images import ImagePolicy
 
 
 class EngineFailure:
-    """What a request's sink receives instead of outputs when the engine could not take or finish it."""
+    """What a request's sink receives instead of outputs when the engine could not take or finish it:
+    its own input's fault (`user_error`: 400), the engine's (500), or the engine is restarting
+    (`retry_after` seconds: 503, the client may send it again)."""
 
-    def __init__(self, message: str, user_error: bool) -> None:
-        self.message, self.user_error = message, user_error
+    def __init__(self, message: str, user_error: bool, retry_after: Optional[int] = None) -> None:
+        self.message, self.user_error, self.retry_after = message, user_error, retry_after
         self.finished = True
+
+    @property
+    def status(self) -> int:
+        return 400 if self.user_error else 503 if self.retry_after is not None else 500
 
 
 class StepOutput(NamedTuple):
@@ -40,9 +47,11 @@ Sink = Callable[[Any], None]   # receives StepOutputs, then maybe an EngineFailu
 
 @dataclass
 class ChatWithImages:
-    """A chat prompt with image parts: the engine's side runs the vision tower on it (never downloading)."""
+    """A chat prompt with image parts: the engine's side runs the vision tower on it, reading the images as
+    the server's policy allows (data: URLs; local files only under its --allowed-local-media-path)."""
 
     messages: list[dict]
+    images: ImagePolicy = field(default_factory=ImagePolicy.served)
 
 
 def add_to_engine(engine: Any, request_id: str, prompt: Any, params: Any) -> None:
@@ -50,7 +59,7 @@ def add_to_engine(engine: Any, request_id: str, prompt: Any, params: Any) -> Non
     if isinstance(prompt, ChatWithImages):
         if getattr(engine, "vision", None) is None:
             raise UserError("this model takes no images (it has no vision tower): send text content only")
-        prompt = engine.vision.encode(prompt.messages, allow_download=False)
+        prompt = engine.vision.encode(prompt.messages, prompt.images)
     engine.add_request(prompt, params, request_id)
 
 

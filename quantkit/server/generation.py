@@ -11,6 +11,7 @@ fewer, larger chunks instead of a growing backlog.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -21,6 +22,7 @@ from quantkit.server.engine_loop import EngineClient
 from quantkit.server.engine_requests import EngineFailure
 from quantkit.server.metrics import ServerMetrics
 from quantkit.server.protocol import DONE, APIError, sse, usage_dict
+from quantkit.server.token_spelling import TokenSpelling
 
 DISCONNECTED = object()
 
@@ -107,8 +109,10 @@ class Job:
                 return None
             if isinstance(out, EngineFailure):
                 self.unfinished.discard(index)
-                raise APIError(400 if out.user_error else 500, out.message,
-                               type="invalid_request_error" if out.user_error else "server_error")
+                self.metrics.requests[(self.endpoint, "error")] += 1
+                raise APIError(out.status, out.message,
+                               type="invalid_request_error" if out.user_error else "server_error",
+                               headers={"Retry-After": str(out.retry_after)} if out.retry_after else None)
             choice = self.choices[index]
             if choice.prompt not in self._prompt_tokens:
                 self._prompt_tokens[choice.prompt] = out.prompt_tokens
@@ -134,29 +138,32 @@ class Job:
 class Renderer:
     """Builds the OpenAI bodies of one endpoint ("chat" or "completions") for a served model name."""
 
-    def __init__(self, endpoint: str, model: str, token_text: Callable[[int], str]) -> None:
+    def __init__(self, endpoint: str, model: str, spell: Callable[[int], TokenSpelling]) -> None:
         self.chat = endpoint == "chat"
-        self.model, self.token_text = model, token_text
+        self.model, self.spell = model, spell
         self.object = "chat.completion" if self.chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         self.id_prefix = "chatcmpl-" if self.chat else "cmpl-"
 
     def logprobs(self, entries: list, offset: int = 0) -> Optional[dict]:
         """OpenAI's logprobs object for TokenLogprobs entries (chat: `content`; completions: the legacy
-        parallel lists, text offsets counted from `offset`)."""
+        parallel lists, text offsets counted in characters from `offset`). Tokens are spelled as the
+        tokenizer spells them, with the bytes of text they stand for (token_spelling.py)."""
         if self.chat:
             def item(tid: int, lp: float) -> dict:
-                text = self.token_text(tid)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+                token, data = self.spell(tid)
+                return {"token": token, "logprob": lp, "bytes": data}
             return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                                 for e in entries]}
-        tokens = [self.token_text(e.token_id) for e in entries]
-        offsets = []
-        for t in tokens:
+        tokens, offsets = [], []
+        text = codecs.getincrementaldecoder("utf-8")("replace")  # a character split over tokens counts once
+        for e in entries:
+            token, data = self.spell(e.token_id)
+            tokens.append(token)
             offsets.append(offset)
-            offset += len(t)
+            offset += len(text.decode(bytes(data)))
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+                "top_logprobs": [{self.spell(t).token: lp for t, lp in e.top} for e in entries],
                 "text_offset": offsets}
 
     def head(self, job: Job, obj: str) -> dict:
@@ -187,8 +194,8 @@ class Renderer:
     async def stream(self, job: Job, want_logprobs: bool, include_usage: bool,
                      continuous_usage: bool) -> AsyncIterator[bytes]:
         """The answer as server-sent events: (chat) a role chunk per choice, then text chunks, a finish
-        chunk per choice, the usage chunk when asked, `[DONE]`. An engine failure ends the stream with
-        an error event."""
+        chunk per choice, the usage chunk when asked, `[DONE]`. A failure (the request's own, or the
+        engine's) ends the stream with an error event in OpenAI's error body, then `[DONE]`."""
         head = self.head(job, self.chunk_object)
         usage = None
 
@@ -215,7 +222,7 @@ class Renderer:
             try:
                 deltas = await job.next_deltas()
             except APIError as exc:
-                yield sse(exc.body())
+                yield sse(exc.body()) + DONE
                 return
             if deltas is None:
                 return

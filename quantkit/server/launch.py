@@ -1,8 +1,10 @@
 """`serve(ServeConfig)`: bind the address, load the model, run the app under uvicorn until a signal.
 
 The socket is bound before the model loads, so a busy port is reported at once, not after minutes of
-loading. The engine runs in a process of its own (engine_process.py), or with `engine_thread` in a
-thread of this one (engine_loop.py). SIGTERM or Ctrl-C stops accepting connections, lets the running
+loading. The engine runs in a process of its own (engine_process.py; restarted when it dies or hangs,
+at most `engine_restarts` times in 10 minutes), or with `engine_thread` in a thread of this one
+(engine_loop.py). When the engine cannot be brought back, the server stops and `serve` raises a
+UserError: the command exits non-zero, for a supervisor to restart it. SIGTERM or Ctrl-C stops accepting connections, lets the running
 requests finish (at most `shutdown_timeout` seconds, then they are aborted), stops the engine, and
 returns: exit code 0.
 """
@@ -10,6 +12,7 @@ returns: exit code 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -18,6 +21,8 @@ from typing import Optional, Sequence
 
 from quantkit.config import UserError
 from quantkit.engine.config import EngineConfig
+from quantkit.engine.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, ImagePolicy
+from quantkit.server.limits import RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,21 @@ class ServeConfig:
     access_log: bool = False
     log_level: str = "info"
     engine_thread: bool = False                 # step the engine in a thread of this process (for comparison)
+    engine_step_timeout: float = 120.0          # seconds without a step, requests pending, before a restart
+    engine_restarts: int = 3                    # restarts within 10 minutes before the server exits non-zero
+    allowed_local_media_path: Optional[str] = None  # image parts may name files under it (None: data: URLs only)
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    limits: RequestLimits = field(default_factory=RequestLimits)   # caps on one request's body (limits.py)
 
     def __post_init__(self) -> None:
+        root = self.allowed_local_media_path
+        if root is not None and not os.path.isdir(root):
+            raise UserError(f"--allowed-local-media-path {root} is not a directory: give the directory whose "
+                            "images clients may name")
+        if self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            raise UserError(f"--max-image-bytes {self.max_image_bytes} and --max-image-pixels "
+                            f"{self.max_image_pixels} must be ≥ 1")
         if not 0 <= self.port <= 65535:
             raise UserError(f"--port {self.port} is not a port: use 1-65535 (0 picks a free one)")
         if self.max_queue < 0:
@@ -49,6 +67,11 @@ class ServeConfig:
             raise UserError("--api-key is empty: give a key, or leave the flag out for no authentication")
         if self.shutdown_timeout is not None and self.shutdown_timeout < 0:
             raise UserError(f"--shutdown-timeout {self.shutdown_timeout} must be ≥ 0 seconds")
+
+    def image_policy(self) -> ImagePolicy:
+        root = self.allowed_local_media_path
+        return ImagePolicy.served(None if root is None else os.path.realpath(root), self.max_image_bytes,
+                                  self.max_image_pixels)
 
     @property
     def model_name(self) -> str:
@@ -94,7 +117,7 @@ def serve(config: ServeConfig) -> None:
     except ImportError as exc:
         raise UserError(f"quantkit serve needs the serve extra ({exc.name} is missing): "
                         "pip install 'quantkit[serve]'") from None
-    from quantkit.server.engine_loop import EngineLoop
+    from quantkit.server.engine_loop import EngineLoop, Supervision
     from quantkit.server.engine_process import EngineProcess
     from quantkit.server.model_source import check_model_arg, load_engine
 
@@ -103,18 +126,20 @@ def serve(config: ServeConfig) -> None:
     url = url_of(sock)
     print(f"quantkit serve: loading {config.model}; will answer at {url}", flush=True)
     try:
+        supervision = Supervision(step_timeout=config.engine_step_timeout, max_restarts=config.engine_restarts)
         if config.engine_thread:
-            backend = EngineLoop(load_engine(config.model, config.engine, config.tokenizer))
+            backend = EngineLoop(load_engine(config.model, config.engine, config.tokenizer), supervision)
             info = backend.info
         else:
-            backend = EngineProcess(config.model, config.engine, config.tokenizer)
+            backend = EngineProcess(config.model, config.engine, config.tokenizer, supervision)
             info = backend.launch()
     except BaseException:
         sock.close()
         raise
     settings = AppSettings(
         served_model_name=config.model_name, model_aliases=(config.model,), api_key=config.api_key,
-        max_queue=config.max_queue, allow_origins=tuple(config.allow_origins))
+        max_queue=config.max_queue, allow_origins=tuple(config.allow_origins), images=config.image_policy(),
+        limits=config.limits)
     ready = (f"quantkit serve: ready at {url} (model {config.model_name!r}, {info.num_blocks} KV blocks of "
              f"{info.block_size} tokens, context {info.max_len} tokens)")
 
@@ -128,6 +153,13 @@ def serve(config: ServeConfig) -> None:
     server = Server(uvicorn.Config(
         app, log_level=config.log_level, access_log=config.access_log, lifespan="on",
         timeout_graceful_shutdown=config.shutdown_timeout, timeout_keep_alive=30))
+    fatal: list[str] = []
+
+    def give_up(reason: str) -> None:   # the engine cannot be brought back: stop serving, exit non-zero
+        fatal.append(reason)
+        server.should_exit = True
+
+    backend.on_fatal = give_up
     # uvicorn drains, then re-raises the signal it caught so that the default action (death by signal)
     # follows; a no-op handler in place makes that a plain return, and the exit code 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -139,6 +171,9 @@ def serve(config: ServeConfig) -> None:
         sock.close()
         if isinstance(backend, EngineProcess):
             backend.shutdown()   # stopped with the app already; killed if it is still there
+    if fatal:
+        raise UserError(f"the engine failed and was not restarted ({fatal[0]}); the server exits with an error "
+                        "so that its supervisor (systemd, Kubernetes) can restart it")
     if not server.started:
         raise UserError(f"the server did not start at {url} (see the lines above)")
     print("quantkit serve: stopped", file=sys.stderr, flush=True)

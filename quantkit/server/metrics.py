@@ -57,7 +57,7 @@ class ServerMetrics:
                               "Mean time between output tokens after the first, per finished request.",
                               TPOT_BUCKETS)
 
-    def render(self, engine_stats: dict, in_flight: int) -> str:
+    def render(self, engine_stats: dict, in_flight: int, engine_restarts: int = 0, engine_up: bool = True) -> str:
         s = engine_stats
         lines: list[str] = []
 
@@ -65,6 +65,9 @@ class ServerMetrics:
             full = f"{PREFIX}_{name}"
             lines.extend([f"# HELP {full} {help}", f"# TYPE {full} {kind}", f"{full}{labels} {value}"])
 
+        metric("engine_up", "gauge", "1 while the engine serves, 0 while it restarts or after it failed.",
+               int(engine_up))
+        metric("engine_restarts_total", "counter", "Engine restarts after a crash or a hang.", engine_restarts)
         metric("num_requests_running", "gauge", "Sequences in the engine's running batch.", s["running"])
         metric("num_requests_waiting", "gauge", "Sequences waiting for a batch slot or KV blocks.", s["waiting"])
         metric("num_requests_in_flight", "gauge", "Sequences accepted by the server and not yet finished.",

@@ -96,11 +96,12 @@ def load_engine(model: str, config: Any, tokenizer: Optional[str] = None):
             engine.tokenizer = tok
         return engine
     from quantkit.config import check_device
+    from quantkit.engine.model import resolve_dtype
     from quantkit.engine.random_model import build_random_model
 
     check_device(config.device)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = resolve_dtype(config.dtype, {}, device)  # auto: float16 on CUDA, float32 on the CPU
     net = build_random_model(spec[0], spec[1], device, dtype)
     if tok is None:
         tok = byte_tokenizer(net.config.vocab_size)

@@ -1,16 +1,23 @@
-"""BlockManager: allocation, growth, and prefix caching by chained block hashes."""
+"""BlockManager: allocation, growth, and prefix caching by chained SHA-256 block keys."""
 
 from __future__ import annotations
 
-from quantkit.engine.block_manager import BlockManager
+from types import SimpleNamespace
+
+import torch
+
+from quantkit.engine import block_manager
+from quantkit.engine.block_manager import ROOT, BlockManager, block_key
+from quantkit.engine.multimodal import pixel_hash
 from quantkit.engine.sequence import Sequence
 
 BS = 4
 
 
-def computed(bm: BlockManager, tokens: list[int]) -> Sequence:
+def computed(bm: BlockManager, tokens: list[int], images=None) -> Sequence:
     """A sequence allocated and fully computed (its full blocks registered), as after its prefill."""
     seq = Sequence(tokens)
+    seq.images = images
     assert bm.can_allocate(seq)
     bm.allocate(seq)
     seq.num_computed_tokens = len(seq)
@@ -114,3 +121,68 @@ def test_append_takes_a_block_only_at_a_block_boundary():
     for t in (10, 11, 12, 13):
         seq.append_token(t)
     assert not bm.can_append(seq)
+
+
+def test_equal_blocks_after_different_prefixes_share_nothing_even_when_python_hash_collides(monkeypatch):
+    """b's first block holds the tokens of a's second block; only the prefix differs. With Python's
+    hash() forced to collide (the key of a scheme built on it), the block still is not shared."""
+    monkeypatch.setattr(block_manager, "hash", lambda _: 0, raising=False)
+    bm = BlockManager(16, BS)
+    computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    b = Sequence([5, 6, 7, 8, 5, 6, 7, 8, 0])
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0
+
+
+def test_block_keys_pack_tokens_at_a_fixed_width_and_chain_the_prefix():
+    assert block_key(ROOT, [1, 23]) != block_key(ROOT, [12, 3])
+    assert block_key(ROOT, [1, 2]) != block_key(ROOT, [1, 2, 0])
+    parent = block_key(ROOT, [7, 7])
+    assert block_key(parent, [1, 2]) != block_key(ROOT, [1, 2])
+    assert block_key(parent, [1, 2]) == block_key(block_key(ROOT, [7, 7]), [1, 2]) and len(parent) == 32
+
+
+def test_blocks_after_different_images_are_never_shared():
+    pixels = torch.arange(48, dtype=torch.float32).reshape(3, 4, 4)
+    first, second = (SimpleNamespace(hash=pixel_hash([p])) for p in (pixels, pixels.flip(0)))
+    tokens = list(range(1, 11))
+    bm = BlockManager(16, BS)
+    computed(bm, tokens, images=first)
+    for images in (second, None):                        # other pixels, or no image: the same tokens miss
+        other = Sequence(tokens)
+        other.images = images
+        bm.allocate(other)
+        assert other.num_computed_tokens == 0
+        bm.deallocate(other)
+    again = Sequence(tokens)
+    again.images = SimpleNamespace(hash=pixel_hash([pixels.clone()]))  # equal pixels, another tensor
+    bm.allocate(again)
+    assert again.num_computed_tokens == 2 * BS
+
+
+def test_blocks_filled_while_decoding_are_keyed_after_the_prompt():
+    bm = BlockManager(16, BS)
+    a = computed(bm, list(range(1, 7)))                  # one full block, then two tokens of the next
+    for t in (7, 8, 9, 10, 11):
+        a.append_token(t)
+        bm.may_append(a)
+        a.num_computed_tokens = len(a) - 1              # as after a decode step: the newest token is uncomputed
+        bm.hash_blocks(a)
+    b = Sequence(list(range(1, 13)))
+    bm.allocate(b)
+    assert b.num_computed_tokens == 2 * BS and b.block_table[:2] == a.block_table[:2]
+    c = Sequence([1, 2, 3, 4, 50, 6, 7, 8, 9])           # block 1 differs: only block 0 is shared
+    bm.allocate(c)
+    assert c.num_computed_tokens == BS
+
+
+def test_a_waiting_prompt_is_hashed_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(block_manager, "block_key", lambda *a: calls.append(a) or block_key(*a))
+    bm = BlockManager(4, BS)
+    computed(bm, list(range(1, 13)))                     # 3 blocks cached and held, 1 free
+    calls.clear()
+    seq = Sequence(list(range(1, 22)))                   # 3 cached blocks + 3 new: more than the pool has
+    for _ in range(3):                                   # as at each step while it waits for room
+        assert not bm.can_allocate(seq)
+    assert len(calls) == 4                               # 3 hits and the first miss, each hashed once

@@ -1,19 +1,15 @@
 """Image prompts in the engine: which rows of a step take image features, the prefix cache never serving
-one image's blocks to another, chunked prefill through the image tokens, and load_image's inputs."""
+one image's blocks to another, chunked prefill through the image tokens (load_image: test_images.py)."""
 
 from __future__ import annotations
 
-import base64
-import io
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from quantkit.config import UserError
 from quantkit.engine import EngineConfig, SamplingParams
-from quantkit.engine.images import ImageError, load_image
 from quantkit.engine.llm_engine import Engine
 from quantkit.engine.multimodal import ImageInputs, step_embeds
 from tiny_llava import make_image, write_tiny_llava
@@ -91,26 +87,3 @@ def test_prompts_without_their_images_are_refused(llava_dir):
         Engine.multimodal_prompt(text_only, _message(make_image(0)))
     assert Engine.multimodal_prompt(text_only, "plain text") == "plain text"
 
-
-def test_load_image_sources(tmp_path):
-    image = make_image(5)
-    pixels = np.asarray(image)
-    path = tmp_path / "tiger.png"
-    image.save(path)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    data_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    for source in (str(path), path, f"file://{path}", image, image.convert("L").convert("RGB"), data_url):
-        loaded = load_image(source)
-        assert loaded.mode == "RGB" and loaded.size == image.size
-        if source is not image and not isinstance(source, type(image)):
-            assert np.array_equal(np.asarray(loaded), pixels)
-    rgba = image.convert("RGBA")
-    assert load_image(rgba).mode == "RGB"
-    for bad, words in ((tmp_path / "missing.png", "does not exist"), ("data:image/png,abc", "base64-encoded"),
-                       ("data:image/png;base64,@@", "not valid base64"), (3, "not int"),
-                       ("data:image/png;base64," + base64.b64encode(b"text").decode(), "not an image")):
-        with pytest.raises(ImageError, match=words):
-            load_image(bad)
-    with pytest.raises(ImageError, match="not downloaded"):
-        load_image("https://example.com/tiger.jpeg", allow_download=False)

@@ -136,7 +136,7 @@ def test_logprobs(qk_server):
         # Greedy: the chosen token is the most likely one.
         assert entry["logprob"] == pytest.approx(tops[0]["logprob"]) and entry["token"] == tops[0]["token"]
         assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
-    assert "".join(e["token"] for e in content) == out["choices"][0]["message"]["content"]
+    assert bytes(b for e in content for b in e["bytes"]).decode() == out["choices"][0]["message"]["content"]
     legacy = post(qk_server.url, "/v1/completions", {"prompt": "the cache", "max_tokens": 3, "temperature": 0,
                                                      "ignore_eos": True, "logprobs": 2})
     lp = legacy["choices"][0]["logprobs"]
