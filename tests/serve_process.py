@@ -105,3 +105,14 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
+
+
+def assert_error(r, status: int, param=None, code=None) -> dict:
+    """r (a requests.Response) is `status` with OpenAI's error body naming `param` and `code`; the error."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert err["message"] and err["type"]
+    assert err["param"] == param and err["code"] == code, err
+    return err

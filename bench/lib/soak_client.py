@@ -56,6 +56,8 @@ class Client:
             res.message = f"{type(exc).__name__}: {exc}"
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
             res.message = f"malformed answer: {type(exc).__name__}: {exc}"
+        if spec.kind == "invalid" and res.status is not None and res.status < 400:
+            res.message = f"accepted {spec.body[:160]!r}"
         res.ended = self.clock()
         return res
 

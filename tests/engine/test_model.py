@@ -202,3 +202,46 @@ def test_partial_rotary_turns_only_the_first_channels():
     torch.testing.assert_close(q2[..., :8], want_q)
     torch.testing.assert_close(k2[..., :8], want_k)
     assert torch.equal(q2[..., 8:], q[..., 8:]) and torch.equal(k2[..., 8:], k[..., 8:])
+
+
+CUDA = torch.device("cuda")  # a device object only: resolve_dtype asks nothing of the GPU but bf16 support
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+@pytest.mark.parametrize("config, want", [
+    ({"torch_dtype": "bfloat16"}, torch.bfloat16),
+    ({"dtype": "bfloat16"}, torch.bfloat16),                            # the key transformers ≥ 4.56 writes
+    ({"torch_dtype": "float16"}, torch.float16),
+    ({"torch_dtype": "float32"}, torch.bfloat16),                       # fp32's range at half the memory
+    ({}, torch.float16),
+    ({"torch_dtype": "bfloat16", "quantization_config": AWQ}, torch.float16),  # AWQ kernels and scales: fp16
+])
+def test_auto_dtype_on_cuda_follows_the_checkpoint(monkeypatch, config, want):
+    from quantkit.engine.model import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", config, CUDA) == want
+    assert resolve_dtype(None, config, CUDA) == want
+
+
+def test_an_explicit_dtype_wins_and_the_cpu_keeps_float32(monkeypatch):
+    from quantkit.engine.model import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    awq = {"torch_dtype": "float16", "quantization_config": AWQ}
+    assert resolve_dtype("bfloat16", awq, CUDA) == torch.bfloat16
+    assert resolve_dtype("float16", {"torch_dtype": "bfloat16"}, CUDA) == torch.float16
+    assert resolve_dtype(torch.float32, {"torch_dtype": "bfloat16"}, CUDA) == torch.float32
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, cpu) == torch.float32
+    assert resolve_dtype("bfloat16", {"torch_dtype": "float16"}, cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, CUDA) == torch.float16
+
+
+def test_the_engine_config_dtype_reaches_the_model(tiny_models):
+    from quantkit.engine import Engine, EngineConfig
+
+    for dtype, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
+        engine = Engine(tiny_models["llama"], EngineConfig(device="cpu", dtype=dtype, num_kv_tokens=256))
+        assert engine.model.dtype == want and engine.runner.kv_caches[0].k.dtype == want

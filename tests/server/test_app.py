@@ -40,7 +40,7 @@ def template_ids(tok, messages) -> list[int]:
 
 
 def test_health_and_models(qk_server):
-    assert requests.get(qk_server.url + "/health", timeout=10).json() == {"status": "ok"}
+    assert requests.get(qk_server.url + "/health", timeout=10).json() == {"status": "ok", "engine_restarts": 0}
     data = requests.get(qk_server.url + "/v1/models", timeout=10).json()
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == [SERVED_NAME]
     assert data["data"][0]["max_model_len"] == 256   # the tiny config's max_position_embeddings

@@ -17,21 +17,11 @@ import time
 import pytest
 import requests
 
-from serve_process import SERVED_NAME, ServerProcess, metrics, wait_idle
+from serve_process import SERVED_NAME, ServerProcess, assert_error, metrics, wait_idle
 
 KEY = "sekret-key"
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "the model"}]
-
-
-def assert_error(r: requests.Response, status: int, param=None, code=None) -> dict:
-    assert r.status_code == status, (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    err = body["error"]
-    assert err["message"] and err["type"]
-    assert err["param"] == param and err["code"] == code, err
-    return err
 
 
 @pytest.mark.parametrize("body, status, param, code", [

@@ -85,4 +85,5 @@ def test_server_logprobs_spell_tokens_and_carry_their_bytes(qk_server, chat_toke
     known = lambda e: e["token"] in vocab or (e["token"] == "" and e["bytes"] == [])  # noqa: E731
     assert len(content) == 8 and all(known(e) and all(known(t) for t in e["top_logprobs"]) for e in content)
     assert sum(e["token"] != "" for e in content) >= 4
-    assert bytes(b for e in content for b in e["bytes"]).decode() == out["choices"][0]["message"]["content"]
+    text = bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace")  # a random model: stray bytes
+    assert text == out["choices"][0]["message"]["content"]

@@ -12,8 +12,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from serve_process import SERVED_NAME, ServerProcess, wait_idle
-from test_errors import assert_error
+from serve_process import SERVED_NAME, ServerProcess, assert_error, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -181,10 +180,12 @@ def test_caps_follow_their_flags(capped):
 
 def test_body_cap_follows_its_flag(capped):
     url = capped.url + COMPLETIONS
-    fits = json.dumps({"prompt": "a", "max_tokens": 1, "user": "x" * 3900}).encode()
-    assert 4000 < len(fits) <= 4096 and post_raw(url, fits).status_code == 200
-    over = json.dumps({"prompt": "a", "max_tokens": 1, "user": "x" * 4100}).encode()
-    err = assert_error(post_raw(url, over), 413, None, "request_too_large")
+    def body(size: int) -> bytes:
+        empty = b'{"prompt": "a", "max_tokens": 1, "user": ""}'
+        return empty[:-2] + b"x" * (size - len(empty)) + b'"}'
+
+    assert len(body(4096)) == 4096 and post_raw(url, body(4096)).status_code == 200
+    err = assert_error(post_raw(url, body(4097)), 413, None, "request_too_large")
     assert "4096" in err["message"]
     # No Content-Length (a chunked body): counted while read, refused once past the cap.
     status, payload = raw_exchange(capped.url, COMPLETIONS, {"Transfer-Encoding": "chunked"},
