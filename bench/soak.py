@@ -1,5 +1,7 @@
-"""Soak a running OpenAI-compatible server: N minutes of mixed traffic at a concurrency, then a table of
-what happened and whether the targets held (exit code 1 when one did not, so that it serves as a check).
+"""Soak a running OpenAI-compatible server: N minutes of mixed traffic, then whether it held up.
+
+At a given concurrency; a table of what happened and of the targets (exit code 1 when one was missed,
+so that it serves as a check), and the same as JSON with --output.
 
     python -m bench.soak --url http://127.0.0.1:23333 --minutes 10 --concurrency 64 --server-pid PID
     # the engine process SIGKILLed 2 and 6 minutes in; the server must answer again within 30 s each time:
@@ -27,11 +29,9 @@ import asyncio
 import itertools
 import json
 import random
-import statistics
 import sys
 import time
-from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,15 +39,13 @@ import aiohttp
 import psutil
 
 from bench.lib.soak_client import Client, Result
+from bench.lib.soak_report import Kill, SoakReport, summarize, table
 from bench.lib.soak_requests import Traffic, text
 from bench.lib.soak_server import engine_process, gpu_mib, metric, parse_metrics, rss_mib
 from quantkit.config import UserError
 from quantkit.server.bench_client import base_url, headers
 
-GRACE_S = 5.0        # a server error this long after the server answered again still belongs to the kill
-IDLE_WAIT_S = 60.0   # at most this long for in-flight requests and KV blocks to reach 0
-BACKOFF_S = 0.2      # a client pauses this long after a server error, as real clients back off
-UNEXPECTED = ("unexpected-4xx", "invalid-accepted", "5xx-unexpected", "failed")
+BACKOFF_S = 0.2   # a client pauses this long after a server error or a failed connection, as real clients do
 
 
 @dataclass(frozen=True)
@@ -64,6 +62,7 @@ class SoakConfig:
     max_rss_drift: float = 2.0                # percent
     max_recovery_s: float = 30.0
     recovery_wait_s: float = 120.0            # how long a kill waits for a 200 before calling it lost
+    idle_wait_s: float = 60.0                 # how long the end waits for in-flight requests and blocks to be 0
     timeout: float = 300.0                    # seconds per request
     api_key: Optional[str] = None
 
@@ -79,49 +78,6 @@ class SoakConfig:
             raise UserError(f"--kill-engine-at {late[0]:g}: give seconds within the run (0 to {self.minutes * 60:g})")
         if self.server_pid is not None and not psutil.pid_exists(self.server_pid):
             raise UserError(f"--server-pid {self.server_pid}: no such process on this machine")
-
-
-@dataclass
-class Kill:
-    at_s: float
-    pid: Optional[int] = None
-    recovery_s: Optional[float] = None   # from the kill to the first 200
-    note: str = ""
-
-
-@dataclass
-class SoakReport:
-    settings: dict
-    duration_s: float
-    outcomes: dict[str, int]
-    by_name: dict[str, dict[str, int]]   # request name → outcome → count
-    examples: list[str]                  # the first unexpected answers
-    latency_p50_s: Optional[float]
-    latency_p99_s: Optional[float]
-    engine_restarts: Optional[int]       # from /metrics quantkit_engine_restarts_total, if exported
-    rss_mib: tuple[Optional[float], Optional[float]]
-    rss_drift_pct: Optional[float]
-    gpu_mib: tuple[Optional[float], Optional[float]]
-    gpu_drift_pct: Optional[float]
-    kv_blocks_used_end: Optional[int]
-    in_flight_end: Optional[int]
-    kills: list[Kill] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-
-
-def classify(r: Result, windows: list[tuple[float, float]]) -> str:
-    """One result's outcome; `windows`: the spans (seconds into the run) while the engine was restarting."""
-    if r.status is not None and 400 <= r.status < 500:
-        return "expected-4xx" if r.kind == "invalid" else "unexpected-4xx"
-    if r.server_error:
-        restarting = any(a <= r.ended <= b for a, b in windows)
-        named = r.retry_after or "engine" in r.message.lower()
-        return "5xx-expected" if restarting and named else "5xx-unexpected"
-    if r.kind == "invalid":
-        return "invalid-accepted" if r.status is not None else "failed"
-    if r.complete:
-        return "ok-disconnected" if r.kind == "leave" else "ok"
-    return "failed"
 
 
 class Soak:
@@ -147,8 +103,8 @@ class Soak:
             return {}
 
     async def wait_idle(self) -> dict[str, float]:
-        """/metrics once nothing is in flight and no KV block is held, or after IDLE_WAIT_S."""
-        deadline = time.monotonic() + IDLE_WAIT_S
+        """/metrics once nothing is in flight and no KV block is held, or after --idle-wait seconds."""
+        deadline = time.monotonic() + self.cfg.idle_wait_s
         while True:
             m = await self.metrics()
             busy = (metric(m, "quantkit_num_requests_in_flight") or 0) + (metric(m, "quantkit_kv_blocks_used") or 0)
@@ -167,7 +123,7 @@ class Soak:
         model = self.cfg.model or next((c["id"] for c in cards), None)
         if model is None:
             raise UserError(f"{self.root}/v1/models lists no model (or refused the key): give --model / --api-key")
-        max_len = next((c.get("max_model_len") for c in cards if c.get("id") == model), None)
+        max_model_len = next((c.get("max_model_len") for c in cards if c.get("id") == model), None)
         words = 16
         status, body = await self.client.probe({"model": model, "prompt": text(random.Random(0), words),
                                                  "max_tokens": 1}, timeout=60)
@@ -175,8 +131,9 @@ class Soak:
             raise UserError(f"{self.root}: a first short request to model {model!r} got {status or 'no answer'}: "
                             "check --model and --api-key")
         per_word = (body.get("usage") or {}).get("prompt_tokens", 2 * words) / words
-        cap = self.cfg.max_prompt_tokens if max_len is None else min(self.cfg.max_prompt_tokens, max_len // 2)
-        return Traffic(model, max_len, max(1, int(cap / per_word)), self.cfg.max_output_tokens, self.cfg.seed)
+        cap = self.cfg.max_prompt_tokens if max_model_len is None else min(self.cfg.max_prompt_tokens,
+                                                                         max_model_len // 2)
+        return Traffic(model, max_model_len, max(1, int(cap / per_word)), self.cfg.max_output_tokens, self.cfg.seed)
 
     async def traffic(self, plan: Traffic, until: float) -> None:
         """`concurrency` clients, each sending its next request when its last ended, until `until`."""
@@ -241,85 +198,8 @@ async def run(cfg: SoakConfig) -> SoakReport:
         kills = await killing if killing else []
         after = await soak.wait_idle()
         rss1, gpu1 = soak.memory()
-    return report(cfg, soak.results, kills, elapsed, before, after, (rss0, rss1), (gpu0, gpu1))
-
-
-def report(cfg: SoakConfig, results: list[Result], kills: list[Kill], elapsed: float, before: dict, after: dict,
-           rss: tuple, gpu: tuple) -> SoakReport:
-    windows = [(k.at_s, k.at_s + (k.recovery_s if k.recovery_s is not None else float("inf")) + GRACE_S)
-               for k in kills if k.pid is not None]
-    outcomes = [classify(r, windows) for r in results]
-    by_name: dict[str, Counter] = defaultdict(Counter)
-    for r, o in zip(results, outcomes):
-        by_name[f"{r.kind}:{r.name}"][o] += 1
-    latencies = [r.latency for r, o in zip(results, outcomes) if o == "ok"]
-    restarts = [metric(m, "quantkit_engine_restarts_total") for m in (before, after)]
-    blocks, in_flight = (metric(after, f"quantkit_{n}") for n in ("kv_blocks_used", "num_requests_in_flight"))
-    rep = SoakReport(
-        settings={k: v for k, v in asdict(cfg).items() if k != "api_key"}, duration_s=round(elapsed, 1),
-        outcomes={o: n for o, n in Counter(outcomes).most_common()},
-        by_name={k: dict(v) for k, v in sorted(by_name.items())},
-        examples=[f"{r.ended:.1f} s {r.kind}:{r.name}: {o}, {r.status or 'no status'} {r.message}"[:300]
-                  for r, o in zip(results, outcomes) if o in UNEXPECTED][:10],
-        latency_p50_s=percentile(latencies, 50), latency_p99_s=percentile(latencies, 99),
-        engine_restarts=None if None in restarts else int(restarts[1] - restarts[0]),
-        rss_mib=rss, rss_drift_pct=drift(*rss), gpu_mib=gpu, gpu_drift_pct=drift(*gpu),
-        kv_blocks_used_end=None if blocks is None else int(blocks),
-        in_flight_end=None if in_flight is None else int(in_flight), kills=kills)
-    rep.failures = broken(cfg, rep)
-    return rep
-
-
-def broken(cfg: SoakConfig, rep: SoakReport) -> list[str]:
-    """The targets the run missed, one sentence each."""
-    out = []
-    for outcome in UNEXPECTED:
-        if rep.outcomes.get(outcome):
-            names = sorted(k for k, v in rep.by_name.items() if v.get(outcome))
-            out.append(f"{rep.outcomes[outcome]} {outcome} ({', '.join(names)})")
-    if rep.kv_blocks_used_end:
-        out.append(f"{rep.kv_blocks_used_end} KV blocks still in use {IDLE_WAIT_S:g} s after the traffic stopped "
-                   f"({rep.in_flight_end} requests in flight)")
-    if rep.rss_drift_pct is not None and rep.rss_drift_pct > cfg.max_rss_drift:
-        out.append(f"RSS drift {rep.rss_drift_pct:+.2f} % (target ≤ {cfg.max_rss_drift:g} %)")
-    for k in rep.kills:
-        if k.recovery_s is None:
-            out.append(f"kill at {k.at_s:g} s: {k.note}")
-        elif k.recovery_s > cfg.max_recovery_s:
-            out.append(f"kill at {k.at_s:g} s: answered again after {k.recovery_s:g} s "
-                       f"(target ≤ {cfg.max_recovery_s:g} s)")
-    return out
-
-
-def percentile(values: list[float], q: float) -> Optional[float]:
-    if len(values) < 2:
-        return round(values[0], 4) if values else None
-    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 4)
-
-
-def drift(start: Optional[float], end: Optional[float]) -> Optional[float]:
-    return None if not start or end is None else round((end / start - 1) * 100, 3)
-
-
-def table(rep: SoakReport) -> str:
-    def mib(pair: tuple, pct: Optional[float]) -> str:
-        return "n/a" if pct is None else f"{pair[0]:,.0f} → {pair[1]:,.0f} MiB ({pct:+.2f} %)"
-
-    s = rep.settings
-    rows = [("requests", f"{sum(rep.outcomes.values())} in {rep.duration_s:g} s at concurrency {s['concurrency']}")]
-    rows += [(o, str(n)) for o, n in rep.outcomes.items()]
-    na = lambda v: "n/a" if v is None else str(v)  # noqa: E731
-    rows += [("latency p50 / p99 (ok)", f"{na(rep.latency_p50_s)} / {na(rep.latency_p99_s)} s"),
-             ("engine restarts", na(rep.engine_restarts)),
-             ("RSS, server + children", mib(rep.rss_mib, rep.rss_drift_pct)),
-             ("GPU memory", mib(rep.gpu_mib, rep.gpu_drift_pct)),
-             ("KV blocks in use at the end", na(rep.kv_blocks_used_end))]
-    rows += [(f"engine killed at {k.at_s:g} s (pid {k.pid})",
-              f"answering again after {k.recovery_s:g} s" if k.recovery_s is not None else k.note) for k in rep.kills]
-    lines = ["| | |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)]
-    lines += [f"unexpected: {e}" for e in rep.examples]
-    lines += [f"TARGET MISSED: {f}" for f in rep.failures] or ["all targets met"]
-    return "\n".join(lines)
+    settings = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
+    return summarize(settings, soak.results, kills, elapsed, before, after, (rss0, rss1), (gpu0, gpu1))
 
 
 def soak(cfg: SoakConfig) -> SoakReport:
@@ -338,7 +218,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--server-pid", type=int, help="the server's process id (this machine): RSS and GPU memory of "
                     "it and its children, and the engine process for --kill-engine-at")
     ap.add_argument("--kill-engine-at", default="", metavar="S[,S...]", help="SIGKILL the engine process (the "
-                    "server's multiprocessing child) at these seconds into the run; needs --server-pid")
+                    "server's multiprocessing child) at these seconds into the run, each after the server answered "
+                    "again since the last; needs --server-pid")
     ap.add_argument("--model", help="the model to request (default: the first of /v1/models)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512,
                     help="longest valid prompt in tokens (default 512; at most half the server's context)")
@@ -347,6 +228,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-recovery-s", type=float, default=30.0,
                     help="target: the server answers 200 again within this many seconds of a kill (30)")
     ap.add_argument("--recovery-wait", type=float, default=120.0, help="seconds to wait for that before giving up")
+    ap.add_argument("--idle-wait", type=float, default=60.0,
+                    help="seconds to wait, after the traffic, for in-flight requests and KV blocks to reach 0 (60)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take (300)")
     ap.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     ap.add_argument("--output", type=Path, help="write the report as JSON here")
@@ -359,7 +242,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      server_pid=args.server_pid, kill_engine_at=kill_at, model=args.model,
                      max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                      max_rss_drift=args.max_rss_drift, max_recovery_s=args.max_recovery_s,
-                     recovery_wait_s=args.recovery_wait, timeout=args.timeout, api_key=args.api_key)
+                     recovery_wait_s=args.recovery_wait, idle_wait_s=args.idle_wait, timeout=args.timeout,
+                     api_key=args.api_key)
     try:
         rep = soak(cfg)
     except UserError as exc:

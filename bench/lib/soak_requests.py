@@ -72,7 +72,7 @@ class Traffic:
     """The run's request generator: the model, the context, how long prompts and answers may be."""
 
     model: str
-    max_len: Optional[int]        # the server's context in tokens, if it says (/v1/models max_model_len)
+    max_model_len: Optional[int]  # the server's context in tokens, if it says (/v1/models max_model_len)
     prompt_words: int             # most words in a valid prompt (fitted to --max-prompt-tokens)
     max_tokens: int               # most output tokens a valid request asks for
     seed: int = 0
@@ -164,7 +164,7 @@ class Traffic:
             return Spec("invalid", name, PATHS[endpoint], encode(self.small(rng, endpoint)),
                         content_type=rng.choice(WRONG_TYPES))
         # Longer than the context: every word is at least one token.
-        n = (self.max_len or 8_000) + 64
+        n = (self.max_model_len or 8_000) + 64
         body = self.small(rng, endpoint)
         body.update({"messages": messages(rng, n)} if endpoint == "chat" else {"prompt": text(rng, n)})
         return Spec("invalid", name, PATHS[endpoint], encode(body))
@@ -187,8 +187,11 @@ def messages(rng: random.Random, n_words: int) -> list[dict[str, str]]:
     """1-4 turns that end with the user's, an optional system prompt first; `n_words` words in all."""
     turns = rng.randint(1, 3) * 2 - 1
     roles = (["system"] if rng.random() < 0.3 else []) + ["user", "assistant"] * (turns // 2) + ["user"]
-    cuts = sorted(rng.sample(range(1, n_words), len(roles) - 1)) if n_words > len(roles) else []
-    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n_words])] if cuts else [1] * len(roles)
+    if n_words < len(roles):
+        sizes = [1] * len(roles)
+    else:
+        cuts = sorted(rng.sample(range(1, n_words), len(roles) - 1))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n_words])]
     return [{"role": r, "content": text(rng, s)} for r, s in zip(roles, sizes)]
 
 

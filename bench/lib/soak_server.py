@@ -59,16 +59,23 @@ def gpu_mib(pid: int) -> Optional[float]:
                              capture_output=True, text=True, timeout=30, check=True).stdout
     except (subprocess.SubprocessError, OSError):
         return None
+    used = compute_apps_mib(out)
+    mine = [used[p.pid] for p in tree(pid) if p.pid in used]
+    return sum(mine) if mine else None
+
+
+def compute_apps_mib(csv: str) -> dict[int, float]:
+    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits` as {pid: MiB}; rows
+    without a number ("[N/A]") are left out, a pid on several GPUs summed."""
     used: dict[int, float] = {}
-    for line in out.splitlines():
+    for line in csv.splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 2 and parts[0].isdigit():
             try:
                 used[int(parts[0])] = used.get(int(parts[0]), 0.0) + float(parts[1])
             except ValueError:
                 continue
-    mine = [used[p.pid] for p in tree(pid) if p.pid in used]
-    return sum(mine) if mine else None
+    return used
 
 
 def engine_process(server_pid: int) -> Optional[psutil.Process]:
