@@ -303,16 +303,18 @@ def chat(
     system: str | None = typer.Option(None, "--system", help="A system prompt for the conversation."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Most tokens per answer."),
     temperature: float | None = typer.Option(None, "--temperature", help="0 means greedy (default: the model's "
-                                             "generation_config.json, else 1.0)."),
-    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass (default: the model's)."),
+                                             "generation_config.json; 0.7 when it sets no sampling)."),
+    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass (default: the model's; 0.9 "
+                                       "when it sets no sampling)."),
     top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k likeliest tokens "
-                                     "(default: the model's)."),
+                                     "(default: the model's, else off)."),
     kv_scales: str = typer.Option("online", "--kv-scales", help="With --kv-bits 8/4: online (each token's own "
                                   "range) or static (per-head scales from the model's quantkit/kv_stats.safetensors)."),
     device: str | None = DEVICE,
     dtype: str = ENGINE_DTYPE,
 ) -> None:
-    """Chat in the terminal: streamed answers, multi-turn history; 'exit' leaves, 'clear' starts over."""
+    """Chat in the terminal: streamed answers, multi-turn history; 'exit' leaves, 'clear' starts over. When
+    the history outgrows the context, its oldest exchanges are dropped (the system prompt is kept)."""
     from quantkit.engine import EngineConfig, SamplingParams
     from quantkit.engine.chat import chat as run_chat
 

@@ -215,3 +215,30 @@ def test_generate_runs_on_the_engine(tiny_models, monkeypatch, capsys):
     assert all(r["generated_tokens"] == len(r["token_ids"]) <= 5 and r["prompt_tokens"] > 0 for r in got)
     code, _, err = run_cli(["generate", str(tiny_models["llama"]), "hi", "--top-p", "0"], monkeypatch, capsys)
     assert_one_line_error(code, err, "top_p")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_dtype_flag_reaches_the_engine_config(command, tmp_path, monkeypatch, capsys):
+    """--dtype goes to EngineConfig.dtype (auto when not given); another value is one line, before any load."""
+    import quantkit.engine.chat
+    import quantkit.engine.pipeline
+    import quantkit.server.launch
+
+    seen = []
+    if command == "generate":
+        monkeypatch.setattr(quantkit.engine.pipeline, "pipeline",
+                            lambda path, config: seen.append(config) or (lambda *a, **k: []))
+        argv = ["generate", str(tmp_path), "hi"]
+    elif command == "chat":
+        monkeypatch.setattr(quantkit.engine.chat, "chat", lambda model, config, *a: seen.append(config))
+        argv = ["chat", str(tmp_path)]
+    else:
+        monkeypatch.setattr(quantkit.server.launch, "serve", lambda config: seen.append(config.engine))
+        argv = ["serve", str(tmp_path)]
+    for extra, want in (([], "auto"), (["--dtype", "bfloat16"], "bfloat16"), (["--dtype", "float16"], "float16")):
+        code, _, err = run_cli([*argv, "--device", "cpu", *extra], monkeypatch, capsys)
+        assert code in (0, None), err
+        assert seen.pop().dtype == want
+    code, _, err = run_cli([*argv, "--dtype", "float64"], monkeypatch, capsys)
+    assert_one_line_error(code, err, "--dtype 'float64'", "auto, float16 or bfloat16")
+    assert not seen

@@ -60,7 +60,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len {self.max_model_len} must be ≥ 2 tokens (or unset).")
         if not _is_dtype(self.dtype):
-            raise ConfigError(f"--dtype {self.dtype!r} is not supported: choose {', '.join(DTYPES[:-1])} or {DTYPES[-1]}.")
+            raise ConfigError(f"--dtype {self.dtype!r} is not supported: choose auto, float16 or bfloat16.")
 
 
 def _is_dtype(value: Any) -> bool:

@@ -57,17 +57,22 @@ class Scheduler:
         self.block_size = block_manager.block_size
         pool_tokens = block_manager.num_blocks * self.block_size
         # A sequence stops growing ("length") here, so it can always finish alone in the pool.
-        self.max_len = min(config.max_model_len or max_model_len or pool_tokens, pool_tokens)
+        self.max_model_len = min(config.max_model_len or max_model_len or pool_tokens, pool_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order: the newest is last
         self.num_preemptions = 0
+
+    @property
+    def max_len(self) -> int:
+        """The old name of `max_model_len`, kept for code that reads it."""
+        return self.max_model_len
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        if len(seq) >= self.max_len:
-            raise UserError(f"the prompt has {len(seq)} tokens but a sequence may hold at most {self.max_len} "
+        if len(seq) >= self.max_model_len:
+            raise UserError(f"the prompt has {len(seq)} tokens but a sequence may hold at most {self.max_model_len} "
                             f"(max_model_len or the KV pool): shorten the prompt or enlarge the KV cache "
                             f"(--cache-max-entry-count, or num_kv_tokens on the CPU).")
         self.waiting.append(seq)
@@ -189,5 +194,5 @@ class Scheduler:
             seq.output_logprobs.append(logprobs)
         if token_id in seq.stop_ids:
             self.finish(seq, "stop", token_id if token_id in seq.params.stop_token_ids else None)
-        elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_len:
+        elif seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
             self.finish(seq, "length")

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server on quantkit's engine (`quantkit serve`), its chat page and clients.
 
     quantkit serve MODEL --port 23333
-    curl http://127.0.0.1:23333/v1/chat/completions -d '{"model": "MODEL", "messages": [...]}'
+    curl http://127.0.0.1:23333/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"model": "MODEL", "messages": [...]}'
 
 `serve(ServeConfig(...))` runs it from Python; `create_app` builds the ASGI app over an engine already
 made (tests, embedding in another server). Importing this package imports nothing heavy: FastAPI,

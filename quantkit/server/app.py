@@ -114,7 +114,7 @@ class Server:
         limit = self.info.max_num_seqs + self.settings.max_queue
         if num_sequences > limit:
             raise APIError(400, f"this request needs {num_sequences} sequences but the server holds at most "
-                           f"{limit} (--max-batch-size + --max-queue): lower n", param="n")
+                           f"{limit} (--max-num-seqs + --max-queue): lower n", param="n")
         if self.loop.num_in_flight + num_sequences > limit:
             self.metrics.rejected_queue_full += 1
             raise APIError(429, f"the server's queue is full ({self.loop.num_in_flight} sequences in flight, "
@@ -169,7 +169,7 @@ class Server:
         return list(prompt)   # ids in the vocabulary: CompletionRequest checked them
 
     def params(self, req: Any, prompt_len: int, choice: int) -> SamplingParams:
-        limit = self.info.max_len - prompt_len
+        limit = self.info.max_model_len - prompt_len
         seed = None if req.seed is None else (req.seed + choice) % 2**64   # torch takes [-2**63, 2**64)
         try:
             sp = SamplingParams(
@@ -188,16 +188,16 @@ class Server:
 
     async def generate(self, endpoint: str, req: Any, prompts: list[Any], request: Request) -> Response:
         """prompts: token ids each, or one ChatWithImages (its length is known once the engine encoded it)."""
-        max_len = self.info.max_len
+        max_model_len = self.info.max_model_len
         for ids in prompts:
             if isinstance(ids, ChatWithImages):
                 continue
             if not ids:
                 raise APIError(400, "the prompt is empty: give at least one token",
                                param="messages" if endpoint == "chat" else "prompt")
-            if len(ids) >= max_len:
+            if len(ids) >= max_model_len:
                 raise APIError(400, f"the prompt has {len(ids)} tokens but this server's context holds "
-                               f"{max_len} (prompt and answer together): shorten it",
+                               f"{max_model_len} (prompt and answer together): shorten it",
                                param="messages" if endpoint == "chat" else "prompt",
                                code="context_length_exceeded")
         self.check_capacity(len(prompts) * req.n)
@@ -298,7 +298,7 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         server.check_auth(request)
         card = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "quantkit",
-                "max_model_len": server.info.max_len}
+                "max_model_len": server.info.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:

@@ -34,9 +34,9 @@ def serve(
                                                 "free after the weights that the KV pool takes."),
     num_kv_tokens: int | None = typer.Option(None, "--num-kv-tokens", help="KV pool size in tokens, instead of "
                                              "the fraction (the CPU's pool: 8192 when unset)."),
-    max_batch_size: int = typer.Option(256, "--max-batch-size", help="Most sequences decoded together in one "
-                                       "step."),
-    max_queue: int = typer.Option(512, "--max-queue", help="Most sequences waiting beyond --max-batch-size; "
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", "--max-batch-size", help="Most sequences decoded "
+                                     "together in one step (--max-batch-size: its older name)."),
+    max_queue: int = typer.Option(512, "--max-queue", help="Most sequences waiting beyond --max-num-seqs; "
                                   "requests past that are answered 429 with Retry-After."),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length, prompt and answer "
                                              "together (default and most: the model's max_position_embeddings)."),
@@ -66,9 +66,10 @@ def serve(
         None, "--allowed-local-media-path", metavar="DIR", help="Let image parts name files (a path, relative to "
         "DIR or absolute, or a file:// URL) under DIR, after resolving '..' and symlinks (default: none; images "
         "come as data: URLs, and nothing is downloaded)."),
-    max_image_bytes: int = typer.Option(20 * 2**20, "--max-image-bytes", help="Largest encoded image a request "
-                                        "may send (a file's size, a data: URL's decoded bytes); checked before "
-                                        "decoding."),
+    max_image_bytes: int = typer.Option(10 * 2**20, "--max-image-bytes", help="Largest encoded image (a file's "
+                                        "size, a data: URL's decoded bytes; default 10 MiB), checked before "
+                                        "decoding; a data: URL counts against --max-request-bytes too (4/3 of "
+                                        "the image's size)."),
     max_image_pixels: int = typer.Option(25_000_000, "--max-image-pixels", help="Most pixels (width x height, "
                                          "from the image's header, before decoding) an image may have; PIL "
                                          "refuses more than 178,956,970 whatever this says."),
@@ -107,7 +108,7 @@ def serve(
     check_device(device)
     engine = EngineConfig(kv_bits=kv_bits, kv_scales=kv_scales, cache_max_entry_count=cache_max_entry_count,
                           num_kv_tokens=num_kv_tokens,
-                          max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                           enable_prefix_caching=prefix_caching)
     run_serve(ServeConfig(model=model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,

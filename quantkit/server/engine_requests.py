@@ -70,15 +70,21 @@ class EngineInfo:
 
     tokenizer: Any
     generation_config: Any
-    max_len: int            # tokens one sequence may hold (prompt and answer)
+    max_model_len: int      # tokens one sequence may hold (prompt and answer)
     max_num_seqs: int
     vocab_size: int
     num_blocks: int
     block_size: int
     has_vision: bool = False   # takes image parts (a LLaVA checkpoint)
 
+    @property
+    def max_len(self) -> int:
+        """The old name of `max_model_len`, kept for code that reads it."""
+        return self.max_model_len
+
     @classmethod
     def of(cls, engine: Any) -> "EngineInfo":
-        return cls(engine.tokenizer, engine.generation_config, engine.scheduler.max_len, engine.config.max_num_seqs,
+        return cls(engine.tokenizer, engine.generation_config, engine.scheduler.max_model_len,
+                   engine.config.max_num_seqs,
                    engine.model.config.vocab_size, engine.block_manager.num_blocks, engine.config.block_size,
                    getattr(engine, "vision", None) is not None)

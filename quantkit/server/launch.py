@@ -141,7 +141,7 @@ def serve(config: ServeConfig) -> None:
         max_queue=config.max_queue, allow_origins=tuple(config.allow_origins), images=config.image_policy(),
         limits=config.limits)
     ready = (f"quantkit serve: ready at {url} (model {config.model_name!r}, {info.num_blocks} KV blocks of "
-             f"{info.block_size} tokens, context {info.max_len} tokens)")
+             f"{info.block_size} tokens, context {info.max_model_len} tokens)")
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

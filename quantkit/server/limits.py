@@ -20,7 +20,7 @@ class RequestLimits:
     """Caps on one request. The defaults are generous for real clients; each with a flag can be raised."""
 
     max_request_bytes: int = 16 * MiB   # --max-request-bytes: a longer body is answered 413
-    # --max-prompts-per-request: the engine's default batch (--max-batch-size 256), so that one request
+    # --max-prompts-per-request: the engine's default batch (--max-num-seqs 256), so that one request
     # can still fill a batch; a longer list would only queue behind itself.
     max_prompts_per_request: int = 256
     max_messages: int = 1024            # --max-messages: chat turns per request

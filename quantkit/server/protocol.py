@@ -67,7 +67,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: Optional[str] = None
-    image_url: Union[str, dict, None] = None   # {"url": "data:image/png;base64,…" or a local path}
+    image_url: Union[str, dict, None] = None   # {"url": "data:image/png;base64,…" or a path}
 
 
 class ChatMessage(BaseModel):
@@ -296,9 +296,10 @@ def parse_request(body: bytes, model: type[BaseModel], limits: RequestLimits = D
         raise APIError(400, f"the body is not valid JSON ({_short(reason)})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
-    surrogates = _SURROGATE_ESCAPE.search(body) is not None
-    if surrogates or body.count(b"[") + body.count(b"{") > limits.max_json_depth:
-        _check_structure(data, limits.max_json_depth, surrogates, too_deep)
+    if body.count(b"[") + body.count(b"{") > limits.max_json_depth and _nests_deeper(body, limits.max_json_depth):
+        raise too_deep
+    if _LONE_SURROGATE.search(body):
+        _check_unicode(data)
     try:
         request = model.model_validate(data, context={"limits": limits, "vocab_size": vocab_size})
     except ValidationError as exc:
@@ -307,28 +308,45 @@ def parse_request(body: bytes, model: type[BaseModel], limits: RequestLimits = D
     return request
 
 
-# json.loads turns "\ud800" into a lone surrogate, which no tokenizer encodes (pairs are fine).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def _check_structure(data: Any, max_depth: int, surrogates: bool, too_deep: APIError) -> None:
-    """`too_deep` past `max_depth` levels of arrays and objects; 400 naming the field of the first string
-    with a lone surrogate when `surrogates`."""
-    stack: list[tuple[Any, int, tuple]] = [(data, 0, ())]
+def _nests_deeper(body: bytes, max_depth: int) -> bool:
+    """Whether a valid JSON text nests arrays and objects more than `max_depth` deep, by its brackets
+    outside strings (innermost pairs removed once per level), without walking the parsed value."""
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS).replace(b"{", b"[").replace(b"}", b"]")
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
+
+
+# json.loads turns an unpaired "\ud800" escape into a lone surrogate, which no tokenizer encodes.
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"
+                             rb"(?<![0-9a-fA-F]{4})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _check_unicode(data: Any) -> None:
+    """400 naming the field of a string that holds a lone surrogate. The walk keeps one iterator per
+    level (the depth is already bounded), not one entry per value."""
+    stack = [("", iter(data.items()))]
     while stack:
-        value, depth, path = stack.pop()
+        entry = next(stack[-1][1], None)
+        if entry is None:
+            stack.pop()
+            continue
+        key, value = entry
         if isinstance(value, (dict, list)):
-            if depth >= max_depth:
-                raise too_deep
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            stack.extend((v, depth + 1, (*path, str(k))) for k, v in items)
-        elif surrogates and isinstance(value, str):
+            stack.append((str(key), iter(value.items() if isinstance(value, dict) else enumerate(value))))
+        elif isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
+                path = ".".join([k for k, _ in stack[1:]] + [str(key)])
                 raise APIError(400, "a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
-                               "escape): send valid Unicode", param=".".join(path) or None,
-                               code="invalid_value") from None
+                               "escape): send valid Unicode", param=path, code="invalid_value") from None
 
 
 def validation_error(exc: ValidationError) -> APIError:

@@ -16,5 +16,6 @@ def test_max_model_len_above_the_models_positions_is_refused(tiny_models):
 
     with pytest.raises(ConfigError, match=r"^--max-model-len 257 is more than this model supports \(256 tokens"):
         engine(257)
-    assert engine(100).max_model_len == 100 and engine(100).scheduler.max_len == 100
+    shorter = engine(100)
+    assert shorter.max_model_len == 100 == shorter.scheduler.max_model_len
     assert engine(None).max_model_len == 256 == engine(256).max_model_len

@@ -26,7 +26,7 @@ def chat_tokenizer(chat_model_dir):
 def qk_server(chat_model_dir, tmp_path_factory):
     """The suite's shared server: 32 sequences per batch, a 4096-token KV pool, no key."""
     server = ServerProcess(str(chat_model_dir), "--served-model-name", SERVED_NAME, "--num-kv-tokens", "4096",
-                           "--max-batch-size", "32", "--quiet",
+                           "--max-num-seqs", "32", "--quiet",
                            log=tmp_path_factory.mktemp("serve-log") / "server.log")
     yield server
     server.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -24,6 +25,24 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "quantkit.cli", "api-client", *args]
+
+
+# `quantkit api-client` as a terminal starts it: SIGINT raises KeyboardInterrupt, even when the tests run
+# where SIGINT is ignored (a background job), a disposition the child would otherwise inherit.
+AS_IN_A_TERMINAL = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                    "sys.argv[0] = 'quantkit'; from quantkit.cli import main; main()")
+
+
+def cli_in_a_terminal(*args: str) -> list[str]:
+    return [sys.executable, "-c", AS_IN_A_TERMINAL, "api-client", *args]
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    """Poll `condition` until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
 
 
 def free_port() -> int:
@@ -102,17 +121,22 @@ def test_unreachable_server_is_one_line_and_exit_2():
 
 
 def _read_until(stream, marker: str, seen: list[str], timeout: float = 20.0) -> str:
-    """Read the subprocess's output (one os.read at a time) until `marker` appears in it."""
+    """Read the subprocess's output (one os.read at a time, none blocking past the deadline) until
+    `marker` appears in it."""
     deadline = time.monotonic() + timeout
     while marker not in "".join(seen):
-        assert time.monotonic() < deadline, f"no {marker!r} in {''.join(seen)!r}"
-        seen.append(os.read(stream.fileno(), 4096).decode())
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([stream], [], [], max(left, 0))
+        assert ready, f"no {marker!r} within {timeout} s in {''.join(seen)!r}"
+        data = os.read(stream.fileno(), 4096).decode()
+        assert data, f"the client exited before {marker!r}: {''.join(seen)!r}"
+        seen.append(data)
     return "".join(seen)
 
 
 def test_ctrl_c_stops_the_answer_not_the_client():
     with FakeOpenAI(words=[f"w{i} " for i in range(40)], delay=0.04) as fake:
-        proc = subprocess.Popen(cli(fake.url, "--max-tokens", "100"), stdin=subprocess.PIPE,
+        proc = subprocess.Popen(cli_in_a_terminal(fake.url, "--max-tokens", "100"), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         try:
             seen: list[str] = []
@@ -128,9 +152,9 @@ def test_ctrl_c_stops_the_answer_not_the_client():
         finally:
             if proc.poll() is None:
                 proc.kill()
-        time.sleep(0.1)
+        first = fake.requests.index(fake.chats()[0])
+        assert wait_for(lambda: fake.aborted == [first])  # the server saw the first answer stopped
     assert proc.returncode == 0, err
-    assert fake.aborted == [fake.requests.index(fake.chats()[0])]  # the server saw the first answer stopped
     partial = out.split(">>> ")[1].split(" [stopped]")[0]
     assert partial.startswith("w0 w1 w2 ") and "w39" not in partial
     # The part printed is in the history of the next turn, which is answered in full.

@@ -136,7 +136,8 @@ def test_logprobs(qk_server):
         # Greedy: the chosen token is the most likely one.
         assert entry["logprob"] == pytest.approx(tops[0]["logprob"]) and entry["token"] == tops[0]["token"]
         assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
-    assert bytes(b for e in content for b in e["bytes"]).decode() == out["choices"][0]["message"]["content"]
+    text = bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace")  # random weights: stray bytes
+    assert text == out["choices"][0]["message"]["content"]
     legacy = post(qk_server.url, "/v1/completions", {"prompt": "the cache", "max_tokens": 3, "temperature": 0,
                                                      "ignore_eos": True, "logprobs": 2})
     lp = legacy["choices"][0]["logprobs"]

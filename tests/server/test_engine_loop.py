@@ -21,7 +21,7 @@ class ScriptedEngine:
     """Each request asks for `params` tokens; every step gives each unfinished request one."""
 
     tokenizer = generation_config = None
-    scheduler = SimpleNamespace(max_len=100)
+    scheduler = SimpleNamespace(max_model_len=100)
     config = SimpleNamespace(max_num_seqs=8, block_size=16)
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=32))
     block_manager = SimpleNamespace(num_blocks=4)

@@ -66,6 +66,14 @@ def chat_page(browser, fake: FakeOpenAI):
         server.server_close()
 
 
+def wait_for(condition, timeout: float) -> bool:
+    """Poll `condition` until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(condition())
+
+
 def say(page, text: str) -> None:
     page.fill("#prompt", text)
     page.press("#prompt", "Enter")
@@ -116,13 +124,11 @@ def test_stop_aborts_the_request_and_clear_starts_over(browser):
         say(page, "tell me everything")
         page.wait_for_function(f"() => ({ASSISTANT_TEXTS})().at(-1).includes('w2 ')", timeout=10_000)
         page.click("#stop")
-        stopped = time.monotonic()
         page.wait_for_function(IDLE)
         partial = page.evaluate(ASSISTANT_TEXTS)[0]
         note = page.text_content("[data-role=assistant] .note")
-        while not fake.aborted and time.monotonic() - stopped < 2.0:
-            time.sleep(0.02)
-        aborted_after = time.monotonic() - stopped
+        # The 3 s answer was cut at the server (noted there as aborted), not left to run to its end.
+        assert wait_for(lambda: fake.aborted or fake.finished, timeout=10.0)
         assert fake.aborted == [fake.requests.index(fake.chats()[0])] and not fake.finished
         fake.words = ["short ", "one"]
         say(page, "go on")
@@ -133,7 +139,6 @@ def test_stop_aborts_the_request_and_clear_starts_over(browser):
         say(page, "fresh start")
         page.wait_for_function(f"() => ({ASSISTANT_TEXTS})().at(-1) === 'short one'", timeout=10_000)
     assert partial.startswith("w0 w1 w2 ") and "w59" not in partial and note == " [stopped]"
-    assert aborted_after < 1.0  # the 3 s answer was cut at the server, not left to run
     # What was shown before Stop is part of the next turn's history; after Clear there is none.
     assert fake.chats()[1].body["messages"] == [
         {"role": "user", "content": "tell me everything"}, {"role": "assistant", "content": partial},
@@ -146,8 +151,11 @@ def test_server_errors_are_shown(browser):
         page.wait_for_selector("#error:not([hidden])")
         assert page.text_content("#error") == "Could not list the models: missing or wrong API key (HTTP 401)"
         page.click("#settings summary")
+        # Typed, then left: one change event, one reload of the models. (A change event sent by hand would
+        # leave the field's own change pending until its blur, when the next message is typed; that
+        # second reload, finishing after the chat's error, cleared it again: the test then failed under load.)
         page.fill("#api-key", "sk-page")
-        page.dispatch_event("#api-key", "change")
+        page.press("#api-key", "Tab")
         page.wait_for_function("() => document.getElementById('model').value === 'fake-model'")
         assert page.is_hidden("#error")
         fake.fail = (400, "the prompt is 300 tokens, more than the context of 256")
@@ -160,6 +168,7 @@ def test_server_errors_are_shown(browser):
     assert message == "the prompt is 300 tokens, more than the context of 256 (HTTP 400)"
     assert left == 0 and restored == "a long prompt"  # the failed turn is taken back for another try
     assert fake.chats()[-1].headers["Authorization"] == "Bearer sk-page"
+    assert [r.path for r in fake.requests].count("/v1/models") == 2  # the page's load, the key's change
 
 
 @pytest.mark.parametrize("front", ["serve", "webui"])
