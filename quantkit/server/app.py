@@ -34,7 +34,8 @@ from quantkit.server.engine_requests import ChatWithImages
 from quantkit.server.generation import Job, Renderer
 from quantkit.server.metrics import ServerMetrics
 from quantkit.server.limits import RequestLimits
-from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request, read_body
+from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from quantkit.server.request_body import parse_request, read_body
 from quantkit.server.token_spelling import TokenSpeller
 
 log = logging.getLogger(__name__)

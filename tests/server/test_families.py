@@ -29,7 +29,8 @@ import quantkit
 from quantkit.config import build_config
 from quantkit.engine import Engine, EngineConfig, SamplingParams
 from quantkit.engine.llm_engine import encode_chat
-from quantkit.server.protocol import ChatCompletionRequest, parse_request
+from quantkit.server.protocol import ChatCompletionRequest
+from quantkit.server.request_body import parse_request
 
 TESTS = Path(__file__).resolve().parents[1]
 SERVED = "family"

@@ -111,6 +111,23 @@ def test_deep_nesting_and_huge_numbers_are_400(qk_server):
     assert post_raw(url, ok).status_code == 200
 
 
+def test_depth_counts_the_brackets_outside_strings():
+    """In-process: the depth cap is on nesting, whatever the mix of arrays and objects, and brackets inside
+    strings (escaped quotes included) are text."""
+    from quantkit.server.protocol import APIError, CompletionRequest
+    from quantkit.server.request_body import parse_request
+
+    def body(levels: int, text: bytes = b"x") -> bytes:   # the top object plus levels - 1 nested
+        inner = b'{"k": [' * ((levels - 1) // 2) + (b"[" if levels % 2 == 0 else b"") + b"1"
+        inner += (b"]" if levels % 2 == 0 else b"") + b"]}" * ((levels - 1) // 2)
+        return b'{"prompt": "%s", "metadata": %s}' % (text, inner)
+
+    assert parse_request(body(64), CompletionRequest).prompt == "x"
+    with pytest.raises(APIError, match="more than 64 deep"):
+        parse_request(body(65), CompletionRequest)
+    assert parse_request(body(64, b'[[[{\\"' * 50), CompletionRequest).prompt == '[[[{"' * 50
+
+
 def test_content_type_must_be_json(qk_server):
     url = qk_server.url + CHAT
     body = json.dumps({"messages": USER, "max_tokens": 2}).encode()
