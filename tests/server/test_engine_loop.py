@@ -194,3 +194,32 @@ def test_app_over_an_engine_thread(chat_model_dir):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def test_a_request_that_breaks_add_is_answered_alone():
+    """Anything raised while a request is added (not only UserError) rejects that request with a 500-kind
+    failure; the loop goes on serving the others."""
+    engine = ScriptedEngine()
+    add = engine.add_request
+
+    def add_or_break(token_ids, params, request_id):
+        if token_ids == [666]:
+            raise MemoryError("decompression bomb")
+        add(token_ids, params, request_id)
+
+    engine.add_request = add_or_break
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        bad: asyncio.Queue = asyncio.Queue()
+        good: asyncio.Queue = asyncio.Queue()
+        loop.add("bad", [666], 3, bad.put_nowait)
+        loop.add("good", [1], 3, good.put_nowait)
+        failure = await asyncio.wait_for(bad.get(), 10)
+        outs = await _collect(good)
+        assert isinstance(failure, EngineFailure) and failure.status == 500 and "MemoryError" in failure.message
+        assert len(outs) == 3 and outs[-1].finish_reason == "length" and loop.alive
+        await loop.stop()
+
+    asyncio.run(run())
