@@ -163,3 +163,16 @@ def write_tiny_glm(directory: Path, num_key_value_heads: int = 2, seed: int = 0)
     model.save_pretrained(str(directory))
     make_tokenizer().save_pretrained(str(directory))
     return directory
+
+
+def poison_sampler(engine, seed: int, exc: Exception) -> None:
+    """Make `engine`'s sampler raise `exc` for any batch holding a request of this seed (a request whose
+    settings break sampling); other batches are sampled as before."""
+    sample = engine.sampler.__call__
+
+    def poisoned(logits, seqs):
+        if any(s.params.seed == seed for s in seqs):
+            raise exc
+        return sample(logits, seqs)
+
+    engine.sampler = poisoned

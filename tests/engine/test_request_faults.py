@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 import torch
+from tiny import poison_sampler
 
-from quantkit.engine import Engine, EngineConfig, SamplingParams
-from quantkit.engine import llm_engine
+from quantkit.engine import Engine, EngineConfig, SamplingParams, llm_engine
 from quantkit.engine.llm_engine import EngineFailed, RequestFailed
 
 POISON_SEED = 13
@@ -48,14 +48,7 @@ def run_all(eng: Engine, requests: list[tuple[list[int], SamplingParams]]) -> di
 def test_a_request_whose_sampling_fails_ends_alone(eng):
     good = [(p, params(seed)) for p, seed in zip(prompts(), (1, 2, 3))]
     alone = [toks for _, toks in run_all(eng, good).values()]
-    sample = eng.sampler.__call__
-
-    def poisoned(logits, seqs):
-        if any(s.params.seed == POISON_SEED for s in seqs):
-            raise OverflowError("Overflow when unpacking long long")
-        return sample(logits, seqs)
-
-    eng.sampler = poisoned
+    poison_sampler(eng, POISON_SEED, OverflowError("Overflow when unpacking long long"))
     mixed = good[:2] + [(prompts()[0], params(POISON_SEED))] + good[2:]
     results = list(run_all(eng, mixed).values())
     bad_out, bad_tokens = results[2]
@@ -107,14 +100,7 @@ def test_a_request_that_cannot_be_added_leaves_nothing_behind(eng, monkeypatch):
 
 
 def test_stream_raises_for_its_failed_request(eng):
-    sample = eng.sampler.__call__
-
-    def poisoned(logits, seqs):
-        if any(s.params.seed == POISON_SEED for s in seqs):
-            raise ValueError("bad settings")
-        return sample(logits, seqs)
-
-    eng.sampler = poisoned
+    poison_sampler(eng, POISON_SEED, ValueError("bad settings"))
     with pytest.raises(RequestFailed, match="bad settings"):
         list(eng.stream(prompts()[0], params(POISON_SEED)))
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from tiny import poison_sampler
 
 from quantkit.engine import Engine, EngineConfig
 
@@ -27,14 +28,7 @@ def poisoned_url(chat_model_dir):
     from quantkit.server.app import AppSettings, create_app
 
     engine = Engine(chat_model_dir, EngineConfig(device="cpu", num_kv_tokens=2048))
-    sample = engine.sampler.__call__
-
-    def poisoned(logits, seqs):
-        if any(s.params.seed == POISON_SEED for s in seqs):
-            raise OverflowError("Python int too large to convert to C long")
-        return sample(logits, seqs)
-
-    engine.sampler = poisoned
+    poison_sampler(engine, POISON_SEED, OverflowError("Python int too large to convert to C long"))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, AppSettings(served_model_name="m")),
                                            log_level="warning", lifespan="on"))
     sock = socket.socket()
