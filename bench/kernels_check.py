@@ -1,8 +1,8 @@
 """GPU correctness of the Triton kernels at Llama-2-7B shapes (not run by CI; needs CUDA).
 
-Every kernel against the torch reference (quantkit/kernels/reference.py) on random packed weights
-and random activations, output poisoned with NaN before each run, in fp16 and bf16, odd M and an
-N that is no multiple of any tile. Prints one line per case; exits 1 if any relative error > 1e-2.
+Every kernel against x Wᵀ in float32, W dequantized by the torch reference (quantkit/kernels/reference.py),
+on random packed weights and random activations, output poisoned with NaN before each run, in fp16 and
+bf16, odd M and an N that is no multiple of any tile. Prints one line per case; exits 1 if any relative error > 1e-2.
 
     PYTHONPATH=. python bench/kernels_check.py [--quick]
 """
@@ -13,6 +13,7 @@ import argparse
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from bench.lib.kernel_timing import rel_err
 from quantkit.formats.awq_gemm import pack_awq_gemm
@@ -25,7 +26,7 @@ TOL = 1e-2
 
 
 def make_layer(k: int, n: int, bits: int, gs: int, fmt: str, symmetric: bool, seed: int):
-    """(kernel-layout weights, reference linear function) for random q, z, s."""
+    """(kernel-layout weights, reference linear x ↦ x Wᵀ in float32) for random q, z, s."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     gsz = k if gs == -1 else gs
     q = torch.randint(0, 2**bits, (n, k), generator=g, device="cuda", dtype=torch.int32)
@@ -37,11 +38,13 @@ def make_layer(k: int, n: int, bits: int, gs: int, fmt: str, symmetric: bool, se
     if fmt == "awq":
         t = pack_awq_gemm(q, z, s)
         kw = triton_layout.from_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
-        return kw, lambda x: reference.linear_awq(x, t["qweight"], t["qzeros"], t["scales"], gsz)
-    t = pack_compressed(q, z, s, bits, symmetric)
-    zp = t.get("weight_zero_point")
-    kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
-    return kw, lambda x: reference.linear_packed(x, t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+        w = reference.dequantize_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
+    else:
+        t = pack_compressed(q, z, s, bits, symmetric)
+        zp = t.get("weight_zero_point")
+        kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+        w = reference.dequantize_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+    return kw, lambda x: F.linear(x.float(), w)
 
 
 def poisoned(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -2,7 +2,7 @@
 tests/kernels with the Triton kernels under the interpreter).
 
 A packed prefill of prompts of different lengths (contiguous block tables in a pool of 16-token
-blocks, metadata set as the model runner would), then decode steps one token per sequence; the
+blocks, metadata made as the model runner makes it), then decode steps one token per sequence; the
 reference is transformers one prompt at a time with its own cache.
 """
 
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from quantkit.engine.attention import AttnMetadata, set_metadata
+from quantkit.engine.attention import AttnMetadata
 from quantkit.kernels.paged_kv import PagedKV
 
 BLOCK = 16
@@ -29,21 +29,19 @@ def make_prompts(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 def engine_step(model, tables: torch.Tensor, new: list[torch.Tensor], past: list[int], decode: bool) -> list[torch.Tensor]:
-    """One engine step for every sequence: their new tokens packed, metadata set as the runner would."""
+    """One engine step for every sequence: their new tokens packed, metadata made as the runner makes it."""
     positions = torch.cat([torch.arange(p, p + len(t)) for p, t in zip(past, new)])
     seq_of_token = torch.cat([torch.full((len(t),), b) for b, t in enumerate(new)])
     slots = tables[seq_of_token, positions // BLOCK].long() * BLOCK + positions % BLOCK
     counts = torch.tensor([len(t) for t in new])
-    set_metadata(AttnMetadata(
-        slot_mapping=slots, block_tables=tables,
-        context_lens=torch.tensor([p + len(t) for p, t in zip(past, new)], dtype=torch.int32),
-        query_start=torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32),
-        is_decode=decode,
-    ))
-    try:
-        logits = model.compute_logits(model(torch.cat(new), positions))
-    finally:
-        set_metadata(None)
+    context_lens = [p + len(t) for p, t in zip(past, new)]
+    query_start = [0, *counts.cumsum(0).tolist()]
+    meta = AttnMetadata(
+        slot_mapping=slots, block_tables=tables, context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        query_start=torch.tensor(query_start, dtype=torch.int32), is_decode=decode,
+        host_lens=(query_start, context_lens),
+    )
+    logits = model.compute_logits(model(torch.cat(new), positions, meta))
     return list(logits.split(counts.tolist()))
 
 

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.kernels.triton_mma import PAIR_NIBBLE, TILE_K, W4_ORDER, MmaWeights, _unblocks
+from quantkit.kernels.triton_mma import PAIR_NIBBLE, TILE_K, W4_ORDER, MmaWeights
+
+
+def row_words(blocks: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The mma layout's words [row tiles, blocks] back in row order [n, K-tiles · 4 · wpt] (the inverse of
+    triton_mma._blocks: each row's words of each K-tile, as triton_mma._row_words made them)."""
+    wpt = 4 if bits == 4 else 8
+    rt, per = blocks.shape
+    kt = per // (64 * wpt)
+    w = blocks.reshape(rt, kt, 2, wpt // 4, 8, 4, 4).permute(0, 2, 4, 1, 5, 3, 6)  # [r, half, g, T, t, v, i]
+    return w.reshape(rt * 16, kt * 4 * wpt)[:n]
 
 
 def emulate_mma_gemv(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
@@ -17,7 +27,7 @@ def emulate_mma_gemv(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     assert k == mw.in_features, (k, mw.in_features)  # a shorter x would be zero-padded silently
     n = mw.out_features
     kp = -(-k // TILE_K) * TILE_K
-    words = _unblocks(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF
+    words = row_words(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF
     xs = torch.zeros(m, kp, dtype=torch.float32, device=x.device)
     xs[:, :k] = x.float()
     if mw.bits == 4:
@@ -60,7 +70,7 @@ def emulate_gluon_gemm(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
     n = mw.out_features
     kt = -(-k // TILE_K)
     per = TILE_K * mw.bits // 32  # words per row and K-tile
-    words = (_unblocks(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF).reshape(n, kt, per)
+    words = (row_words(mw.qweight, mw.bits, n).to(torch.int64) & 0xFFFFFFFF).reshape(n, kt, per)
     gi = torch.clamp(torch.arange(kt, device=x.device) * TILE_K // mw.group_size, max=mw.scales.shape[1] - 1)
     z = mw.zeros.to(torch.float32)[:, gi][:, :, None]
     s = mw.scales.to(torch.float32)[:, gi][:, :, None]

@@ -29,6 +29,7 @@ from bench.lib.kernel_candidates import SHAPES
 from bench.lib.kernel_timing import graph_us, rel_err, ring_size
 from quantkit.kernels import dispatch, triton_mma
 from quantkit.kernels.triton_mma import MmaWeights
+from tests.mma_layers import mma_codes
 
 
 def random_mw(k: int, n: int, bits: int, group_size: int) -> MmaWeights:
@@ -46,7 +47,7 @@ def random_mw(k: int, n: int, bits: int, group_size: int) -> MmaWeights:
 
 
 def reference(x: torch.Tensor, mw: MmaWeights, bias: torch.Tensor | None) -> torch.Tensor:
-    q = triton_mma.unpack_mma(mw.qweight, mw.bits, mw.in_features, mw.out_features).float()
+    q = mma_codes(mw.qweight, mw.bits, mw.in_features, mw.out_features).float()
     g = torch.arange(mw.in_features, device=x.device) // mw.group_size
     w = (q - mw.zeros.float()[:, g]) * mw.scales.float()[:, g]
     y = x.float() @ w.t()

@@ -1,9 +1,9 @@
 """Attention over the paged KV cache, and the step's metadata that every layer reads.
 
-The model runner describes a step once (`set_metadata`) and each layer's `Attention` reads it
-(`get_metadata`) rather than having it passed through every call, as nano-vllm does. A step is
-either pure decode (one query token per sequence: the path CUDA graphs replay) or a packed prefill
-(several sequences' new tokens back to back, possibly after a cached prefix).
+The model runner describes a step once (an `AttnMetadata`) and passes it to the model's forward,
+which hands it to each layer's `Attention`. A step is either pure decode (one query token per
+sequence: the path CUDA graphs replay, whose captured forward holds the graph's static metadata) or
+a packed prefill (several sequences' new tokens back to back, possibly after a cached prefix).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.kernels import paged_kv
+from quantkit.kernels.paged_kv import HostLens
 
 
 @dataclass
@@ -27,9 +28,13 @@ class AttnMetadata:
     is_decode: bool  # every sequence has exactly one new token
     # A mixed step (prefill chunks and decodes together): its first `num_decode` sequences have one new token
     # each (the scheduler puts decodes first) and run through the batched decode kernel; `prefill` holds
-    # (block_tables, context_lens, query_start renumbered from 0) of the rest, cut once per step.
+    # (block_tables, context_lens, query_start renumbered from 0, their host lists) of the rest, cut once per step.
     num_decode: int = 0
-    prefill: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    prefill: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[HostLens]]] = None
+    # (query_start, context_lens) as host lists, from whoever built the step (the runner has them before
+    # copying them to the device): the prefill attention's loop bounds, so that no layer waits for a copy
+    # back to the host. None: each prefill attention reads them from the device.
+    host_lens: Optional[HostLens] = None
 
     def token_seq_lens(self) -> torch.Tensor:
         """[T]: the context length of each new token's sequence."""
@@ -37,20 +42,6 @@ class AttnMetadata:
             return self.context_lens
         counts = (self.query_start[1:] - self.query_start[:-1]).long()
         return torch.repeat_interleave(self.context_lens, counts)
-
-
-_METADATA: Optional[AttnMetadata] = None
-
-
-def set_metadata(meta: Optional[AttnMetadata]) -> None:
-    global _METADATA
-    _METADATA = meta
-
-
-def get_metadata() -> AttnMetadata:
-    if _METADATA is None:
-        raise RuntimeError("no attention metadata: the model runner sets it (set_metadata) before a forward")
-    return _METADATA
 
 
 def causal_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: torch.Tensor,
@@ -76,9 +67,8 @@ class Attention(nn.Module):
         self.sm_scale = sm_scale
         self.kv_cache: Optional[paged_kv.PagedKV] = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, heads, D], k/v [T, kv_heads, D] → [T, heads, D]."""
-        meta = get_metadata()
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] → [T, heads, D], for the step `meta` describes."""
         cache = self.kv_cache
         if cache is None:
             return causal_attention_packed(q, k, v, meta.query_start, self.sm_scale)
@@ -88,12 +78,13 @@ class Attention(nn.Module):
         nd = meta.num_decode
         if nd == 0 or meta.prefill is None:
             return paged_kv.paged_prefill_attention(
-                q, cache, meta.block_tables, meta.context_lens, meta.query_start, self.sm_scale
+                q, cache, meta.block_tables, meta.context_lens, meta.query_start, self.sm_scale, meta.host_lens
             )
         # Decodes batched in one kernel launch, not one gather + SDPA each (a mixed step of 256 decodes
         # would otherwise launch thousands of kernels per layer).
         out = torch.empty_like(q)
         out[:nd] = paged_kv.paged_decode_attention(q[:nd], cache, meta.block_tables[:nd], meta.context_lens[:nd],
                                                    self.sm_scale)
-        out[nd:] = paged_kv.paged_prefill_attention(q[nd:], cache, *meta.prefill, self.sm_scale)
+        tables, lens, starts, host = meta.prefill
+        out[nd:] = paged_kv.paged_prefill_attention(q[nd:], cache, tables, lens, starts, self.sm_scale, host)
         return out

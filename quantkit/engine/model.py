@@ -20,7 +20,7 @@ from torch import nn
 
 from quantkit.config import UserError
 from quantkit.engine import weights
-from quantkit.engine.attention import Attention, get_metadata
+from quantkit.engine.attention import Attention, AttnMetadata
 from quantkit.engine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from quantkit.models.registry import ArchSpec, spec_for_config
 
@@ -50,7 +50,8 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor],
+                meta: AttnMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -59,7 +60,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary(q, k, rope_rows)
-        out = self.attn(q, k, v)
+        out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -87,13 +88,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, hidden, residual, rope_rows):
+    def forward(self, hidden, residual, rope_rows, meta: AttnMetadata):
         # The residual stream is added inside the norms (one fused op each) rather than after each sub-block.
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope_rows)
+        hidden = self.self_attn(hidden, rope_rows, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -107,9 +108,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, spec, self.rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 input_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        seq_lens = get_metadata().token_seq_lens() if self.rotary_emb.dynamic else None
+        seq_lens = meta.token_seq_lens() if self.rotary_emb.dynamic else None
         rope_rows = self.rotary_emb.rows(positions, seq_lens)
         if input_embeds is None:
             hidden = self.embed_tokens(input_ids)
@@ -119,14 +120,15 @@ class Decoder(nn.Module):
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope_rows)
+            hidden, residual = layer(hidden, residual, rope_rows, meta)
         return self.norm(hidden, residual)[0]
 
 
 class DecoderModel(nn.Module):
-    """forward(input_ids [T], positions [T]) → hidden [T, hidden] for the step described by the
-    attention metadata (`input_embeds` = (rows, embeddings) replaces the embeddings of those rows' tokens:
-    an image's features at its placeholder tokens); compute_logits(hidden [N, hidden]) → float32 [N, vocab]."""
+    """forward(input_ids [T], positions [T], meta) → hidden [T, hidden] for the step described by the
+    attention metadata `meta` (`input_embeds` = (rows, embeddings) replaces the embeddings of those rows'
+    tokens: an image's features at its placeholder tokens); compute_logits(hidden [N, hidden]) → float32
+    [N, vocab]."""
 
     def __init__(self, config: Any, max_positions: Optional[int] = None) -> None:
         super().__init__()
@@ -144,9 +146,9 @@ class DecoderModel(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 input_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        return self.model(input_ids, positions, input_embeds)
+        return self.model(input_ids, positions, meta, input_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

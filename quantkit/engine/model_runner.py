@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from quantkit.config import ConfigError, UserError
-from quantkit.engine.attention import AttnMetadata, set_metadata
+from quantkit.engine.attention import AttnMetadata
 from quantkit.engine.kv_scales import pool_static_scales
 from quantkit.engine.multimodal import step_embeds
 from quantkit.kernels.capture import graph_warmup
@@ -137,8 +137,6 @@ class ModelRunner:
         available = max(free + reusable - activations, 0)
         return int(self.config.cache_max_entry_count * available) // self.bytes_per_token()
 
-    # no_grad rather than inference_mode: paged_kv reuses a step's host-side lengths by tensor version,
-    # which inference tensors do not have.
     @torch.no_grad()
     def _warmup(self) -> None:
         """One forward of a step as large as the scheduler may make (attention over its own tokens: no
@@ -156,14 +154,12 @@ class ModelRunner:
         """The forward of one sequence of `tokens` zero ids prefilled from position 0 into slots 0…tokens − 1
         (the first blocks of the pool, when there is one)."""
         positions = torch.arange(tokens, device=self.device)
-        set_metadata(AttnMetadata(
+        meta = AttnMetadata(
             slot_mapping=positions.clone(), block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
             context_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-            query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False))
-        try:
-            return self.model(torch.zeros(tokens, dtype=torch.long, device=self.device), positions)
-        finally:
-            set_metadata(None)
+            query_start=torch.tensor([0, tokens], dtype=torch.int32, device=self.device), is_decode=False,
+            host_lens=([0, tokens], [tokens]))
+        return self.model(torch.zeros(tokens, dtype=torch.long, device=self.device), positions, meta)
 
     @torch.no_grad()
     def _warmup_pool(self) -> None:
@@ -215,6 +211,7 @@ class ModelRunner:
             context_lens=ctx_d.to(torch.int32),
             query_start=qs_d.to(torch.int32),
             is_decode=all(n == 1 for _, n in batch),
+            host_lens=(query_start, context_lens),
         )
         if not meta.is_decode:
             # The leading one-token sequences (decodes: the scheduler puts them first) attend in one batched
@@ -222,11 +219,12 @@ class ModelRunner:
             nd = next((i for i, (_, n) in enumerate(batch) if n != 1), len(tables))
             if nd:
                 meta.num_decode = nd
-                meta.prefill = (meta.block_tables[nd:], meta.context_lens[nd:], meta.query_start[nd:] - nd)
+                meta.prefill = (meta.block_tables[nd:], meta.context_lens[nd:], meta.query_start[nd:] - nd,
+                                ([s - nd for s in query_start[nd:]], context_lens[nd:]))
         return StepInputs(ids_d, pos_d, meta, rows_d, sampled, step_embeds(batch, self.device))
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
-        return self.model(step.input_ids, step.positions, input_embeds=step.input_embeds)
+        return self.model(step.input_ids, step.positions, step.meta, input_embeds=step.input_embeds)
 
     @torch.no_grad()
     def run(self, batch) -> tuple[Optional[torch.Tensor], list]:
@@ -238,9 +236,7 @@ class ModelRunner:
         if bucket is not None:
             logits = self._replay(step, bucket)
         else:
-            set_metadata(step.meta)
             hidden = self._forward(step)
-            set_metadata(None)
             logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sampled else None
         return logits, step.sampled
 
@@ -249,12 +245,7 @@ class ModelRunner:
         """Forward one batch of prefill chunks, as `run`, and return the float32 logits [T, vocab] of every
         new token in batch order, not only of the sampled ones (prompt log-probabilities, perplexity)."""
         step = self.prepare(batch)
-        set_metadata(step.meta)
-        try:
-            hidden = self._forward(step)
-        finally:
-            set_metadata(None)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self._forward(step))
 
     # --- CUDA graphs for decode steps ---------------------------------------------------------------
 
@@ -266,8 +257,9 @@ class ModelRunner:
     @torch.no_grad()
     def capture_graphs(self, capture: Optional[Callable] = None) -> None:
         """One graph per bucket, the largest first so the smaller ones reuse its memory pool. The graphs
-        read the static tensors below; `_replay` copies each step's values into them. `capture(forward,
-        meta)` → (graph, output) makes one graph (default: a CUDA graph; the tests pass an eager stand-in)."""
+        read the static tensors below (the captured forward is passed the metadata made of them); `_replay`
+        copies each step's values into them. `capture(forward, meta)` → (graph, output) makes one graph
+        (default: a CUDA graph; the tests pass an eager stand-in)."""
         capture = capture or self._cuda_graph
         buckets = graph_buckets(self.config.max_num_seqs)
         n, dev = buckets[-1], self.device
@@ -284,17 +276,14 @@ class ModelRunner:
                 meta = AttnMetadata(self.g_slots[:b], self.g_tables[:b], self.g_context[:b],
                                     self.g_query_start[:b + 1], is_decode=True)
 
-                def forward(b: int = b) -> torch.Tensor:
-                    return self.model.compute_logits(self.model(self.g_ids[:b], self.g_positions[:b]))
+                def forward(b: int = b, meta: AttnMetadata = meta) -> torch.Tensor:
+                    return self.model.compute_logits(self.model(self.g_ids[:b], self.g_positions[:b], meta))
 
-                set_metadata(meta)
                 self.graphs[b], self.g_logits[b] = capture(forward, meta)
         except RuntimeError as exc:  # a kernel that cannot be captured: decode eagerly, still correct
             log.warning("CUDA-graph capture failed, decoding eagerly: %s", str(exc).splitlines()[0])
             self.graphs.clear()
             self.g_logits = {}
-        finally:
-            set_metadata(None)
 
     def _cuda_graph(self, forward: Callable[[], torch.Tensor], meta: AttnMetadata):
         with graph_warmup():  # compiles the kernels the capture launches, outside it

@@ -34,6 +34,9 @@ from torch import Tensor
 from quantkit.config import UserError
 from quantkit.kernels.hardware import runs_triton
 
+# (query_start, context_lens) of a prefill step as host lists: what its per-sequence loops read
+HostLens = tuple[list[int], list[int]]
+
 BITS = (16, 8, 4)
 QMAX = {8: 255, 4: 15}
 # The smallest normal fp16 number: smaller scales would lose relative precision as subnormals.
@@ -257,17 +260,20 @@ def paged_decode_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, cont
 
 
 def paged_prefill_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, context_lens: Tensor,
-                            query_start: Tensor, sm_scale: float) -> Tensor:
+                            query_start: Tensor, sm_scale: float, host: Optional[HostLens] = None) -> Tensor:
     """Causal attention of several sequences' new tokens, q [T, heads, head_dim] packed by query_start
     [B+1] (cumulative): sequence b's queries are the last query_start[b+1] − query_start[b] of its
-    context_lens[b] cached tokens (a cached prefix, then the new ones). Gather + SDPA per sequence."""
+    context_lens[b] cached tokens (a cached prefix, then the new ones). Gather + SDPA per sequence.
+    `host`: (query_start, context_lens) as host lists when the caller has them (every layer of a step
+    passes the same); None reads them from the device, a sync that drains the launch queue."""
     if runs_triton(q.device):
         from quantkit.kernels import triton_prefill
 
-        return triton_prefill.paged_prefill_attention(q, cache, block_tables, context_lens, query_start, sm_scale)
+        return triton_prefill.paged_prefill_attention(q, cache, block_tables, context_lens, query_start, sm_scale,
+                                                      host=host)
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], cache.kv_heads
-    starts, lens = _host_lists(query_start, context_lens)
+    starts, lens = host if host is not None else (query_start.tolist(), context_lens.tolist())
     for b, length in enumerate(lens):
         s, e = starts[b], starts[b + 1]
         if e == s:
@@ -284,21 +290,3 @@ def paged_prefill_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, con
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale)
         out[s:e] = o.transpose(0, 1)
     return out
-
-
-# The last (query_start, context_lens) read to the host, with their versions and values: every layer of a
-# prefill step passes the same two tensors, and each read is a host sync that drains the launch queue.
-# Holding the tensors keeps their identity unique; an in-place change bumps their version.
-_last_read: list = []
-
-
-def _host_lists(query_start: Tensor, context_lens: Tensor) -> tuple[list[int], list[int]]:
-    if query_start.is_inference() or context_lens.is_inference():  # no version counter: read every time
-        return query_start.tolist(), context_lens.tolist()
-    if _last_read:
-        qs, qs_version, ctx, ctx_version, values = _last_read
-        if qs is query_start and ctx is context_lens and qs._version == qs_version and ctx._version == ctx_version:
-            return values
-    values = (query_start.tolist(), context_lens.tolist())
-    _last_read[:] = [query_start, query_start._version, context_lens, context_lens._version, values]
-    return values

@@ -1,4 +1,4 @@
-"""Torch reference kernels: dequantize packed weights, then a plain matrix product.
+"""The torch reference of the quantized linears: W dequantized from packed tensors (y = x Wᵀ + b then).
 
 They consume the two packed layouts the loader holds, described by their constants here so that a
 kernel needs nothing from quantkit.formats:
@@ -12,7 +12,6 @@ Both mean W = (q − z) · s with unsigned q and z.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 AWQ_NIBBLE_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)
 _AWQ_COLUMN_NIBBLE = tuple(AWQ_NIBBLE_COLUMN.index(j) for j in range(8))
@@ -64,15 +63,3 @@ def dequantize_packed(
     z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).repeat_interleave(group_size, dim=1)
     s = weight_scale.repeat_interleave(group_size, dim=1)
     return (q - z).float() * s.float()
-
-
-def linear_awq(x, qweight, qzeros, scales, group_size, bias=None) -> torch.Tensor:
-    """y = x Wᵀ + b with W from AWQ gemm tensors, computed in x's dtype."""
-    w = dequantize_awq(qweight, qzeros, scales, group_size).to(x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
-
-
-def linear_packed(x, weight_packed, weight_scale, weight_zero_point, out_features, in_features, bits, group_size, bias=None):
-    """y = x Wᵀ + b with W from pack-quantized tensors, computed in x's dtype."""
-    w = dequantize_packed(weight_packed, weight_scale, weight_zero_point, out_features, in_features, bits, group_size)
-    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

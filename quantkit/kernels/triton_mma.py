@@ -89,15 +89,6 @@ def _row_words(q: torch.Tensor, bits: int) -> torch.Tensor:
     return words.to(torch.int32).reshape(n, -1)
 
 
-def _unblocks(blocks: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """The inverse of `_blocks`: row words [n, KW]."""
-    wpt = 4 if bits == 4 else 8
-    rt, per = blocks.shape
-    kt = per // (64 * wpt)
-    w = blocks.reshape(rt, kt, 2, wpt // 4, 8, 4, 4).permute(0, 2, 4, 1, 5, 3, 6)  # [r, half, g, T, t, v, i]
-    return w.reshape(rt * 16, kt * 4 * wpt)[:n]
-
-
 def _blocks(words: torch.Tensor, bits: int) -> torch.Tensor:
     """Row words [N, KW] → blocks [row tiles, KW · 16] (module docstring); rows past N are zero, and
     the row tiles a multiple of ROW_TILES_MAX so that a program of up to that many row tiles never
@@ -114,20 +105,6 @@ def _blocks(words: torch.Tensor, bits: int) -> torch.Tensor:
 def pack_mma(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Integers q [N, K] in 0..2^b−1 → int32 [row tiles, words] in the mma layout."""
     return _blocks(_row_words(q, bits), bits)
-
-
-def unpack_mma(qweight: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor:
-    """The inverse of `pack_mma` (for tests and checks): int64 [n, K]."""
-    words = _unblocks(qweight, bits, n)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=qweight.device)
-    vals = (words.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)  # [N, words, per word]
-    if bits == 4:
-        vals = vals.reshape(n, -1, 4, 4, 8)  # (T, t, c, nibble)
-        inv = torch.tensor([W4_ORDER.index(o) for o in range(8)], device=qweight.device)
-        vals = vals[..., inv]
-    else:
-        vals = vals.reshape(n, -1, 4, 4, 8)  # (T, t, c, (h, byte))
-    return vals.transpose(2, 3).reshape(n, -1)[:, :k]
 
 
 def from_kernel_weights(kw: KernelWeights) -> MmaWeights:

@@ -96,15 +96,13 @@ _PREFILL = KeptKernel(prefill_kernel)
 
 def paged_prefill_attention(q: Tensor, cache, block_tables: Tensor, context_lens: Tensor, query_start: Tensor,
                             sm_scale: float, block_m: int = 64, block_n: int = 64, num_warps: int | None = None,
-                            num_stages: int = 2) -> Tensor:
-    """Triton form of paged_kv.paged_prefill_attention (same arguments; context_lens and query_start int32).
-    Sequences with no queries are skipped. `block_m` (rows per program: queries × the query heads of one
-    kv head), `block_n` (keys per tile), `num_warps` and `num_stages` are the kernel's tile settings,
+                            num_stages: int = 2, host=None) -> Tensor:
+    """Triton form of paged_kv.paged_prefill_attention (same arguments, `host` included; context_lens and
+    query_start int32). Sequences with no queries are skipped. `block_m` (rows per program: queries × the
+    query heads of one kv head), `block_n` (keys per tile), `num_warps` and `num_stages` are the kernel's tile settings,
     chosen for head_dim 64/128 on Hopper and not measured on a GPU yet. num_warps None: 4, or 8 for
     int8/int4 codes at head_dim above 64, where 4 warps spill registers (ptxas for sm_90: 255 registers
     and 8–40 bytes of stack per thread; 8 warps take about as many registers and spill nothing)."""
-    from quantkit.kernels.paged_kv import _host_lists  # paged_kv dispatches here: imported at the call
-
     t, heads, d = q.shape
     if d % 2:
         raise ValueError(f"the paged prefill kernel needs an even head_dim, not {d}")
@@ -116,7 +114,7 @@ def paged_prefill_attention(q: Tensor, cache, block_tables: Tensor, context_lens
     batch = block_tables.shape[0]
     if t == 0 or batch == 0:
         return out
-    starts, _ = _host_lists(query_start, context_lens)
+    starts = host[0] if host is not None else query_start.tolist()
     max_n = max(e - s for s, e in zip(starts[:-1], starts[1:]))
     if max_n == 0:
         return out

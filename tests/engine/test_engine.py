@@ -77,6 +77,31 @@ def test_greedy_equals_hf_with_staggered_arrivals_and_chunked_prefill(tiny_model
     assert eng.block_manager.num_free_blocks == eng.runner.num_blocks  # every block given back
 
 
+def test_steps_carry_their_lengths_on_the_host(tiny_models):
+    """Each step's metadata holds query_start and context_lens as host lists equal to its tensors (the
+    prefill attention's loop bounds: no layer reads them back from the device), and a mixed step's
+    prefill part holds its own, renumbered from its first sequence."""
+    eng = engine(tiny_models["llama"], max_num_batched_tokens=24)
+    prepare, mixed = eng.runner.prepare, []
+
+    def checked(batch):
+        step = prepare(batch)
+        meta = step.meta
+        assert meta.host_lens == (meta.query_start.tolist(), meta.context_lens.tolist())
+        if meta.prefill is not None:
+            _, lens, starts, host = meta.prefill
+            assert host == (starts.tolist(), lens.tolist()) and host[0][0] == 0
+            mixed.append(meta.num_decode)
+        return step
+
+    eng.runner.prepare = checked
+    ps = prompts(1)
+    results = run_staggered(eng, [ps[:2], ps[2:]])
+    assert mixed and all(nd > 0 for nd in mixed)
+    for prompt, toks in results.values():
+        assert toks == hf_greedy(tiny_models["llama"], prompt)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_equals_hf_under_preemption(tiny_models, arch):
     path = tiny_models[arch]
@@ -204,11 +229,7 @@ class EagerReplay:
         self.out = forward()
 
     def replay(self) -> None:
-        from quantkit.engine.attention import set_metadata
-
-        set_metadata(self.meta)
-        self.out.copy_(self.forward())
-        set_metadata(None)
+        self.out.copy_(self.forward())  # the captured forward holds the graph's static metadata, `meta`
         EagerReplay.replays += 1
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_oracles import emulate_gluon_gemm, permute_x_torch
+from kernel_oracles import emulate_gluon_gemm, permute_x_torch, row_words
 from mma_layers import random_layer
 from ptx_interp import Warp, f2h, h2f
 
@@ -35,12 +35,12 @@ def test_w8_slot_view_is_the_row_words(rows):
     box = gluon_gemm.w_box(rows, 8)[0] if gluon_gemm.gluon is not None else [rows // 16, 2, 256]
     assert box == [rows // 16, 2, 256]
     words = mw.qweight.view(mw.qweight.shape[0], -1, 256)
-    row_words = triton_mma._unblocks(mw.qweight, 8, mw.qweight.shape[0] * 16)
+    rows_in_order = row_words(mw.qweight, 8, mw.qweight.shape[0] * 16)
     for pid_n, t in ((0, 0), (1, 3), (2, 1)):
         slot = words[pid_n * box[0]:(pid_n + 1) * box[0], 2 * t:2 * t + 2, :]  # the box at the kernel's coordinates
         w = slot.reshape(rows // 8, 2, 128).reshape(rows // 16, 2, 2, 8, 4, 4).permute(0, 1, 3, 4, 2, 5)
         w = w.reshape(rows, 32)
-        assert torch.equal(w, row_words[pid_n * rows:(pid_n + 1) * rows, 32 * t:32 * t + 32])
+        assert torch.equal(w, rows_in_order[pid_n * rows:(pid_n + 1) * rows, 32 * t:32 * t + 32])
 
 
 @pytest.mark.parametrize("m,k", [(1, 128), (5, 200), (3, 384), (2, 4096)])

@@ -2,13 +2,15 @@
 
 Random weights and activations (never zeros), outputs poisoned with NaN before each run, odd M and N
 that are no multiple of the tiles, fp16 and bf16, W4 with group sizes 32/64/128 in both layouts and
-W8 per channel; ‖out − ref‖ / ‖ref‖ ≤ 1e-2 against quantkit.kernels.reference.
+W8 per channel; ‖out − ref‖ / ‖ref‖ ≤ 1e-2 against x Wᵀ + b in float32, W dequantized by
+quantkit.kernels.reference (itself checked against float64 in test_reference.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
@@ -27,7 +29,7 @@ CASES = [  # bits, group size, format, symmetric, K, N
 
 
 def make_weights(bits, gs, fmt, symmetric, k, n, seed=0):
-    """(KernelWeights, reference linear x ↦ y) for random integers, zeros and scales."""
+    """(KernelWeights, reference linear (x, b) ↦ x Wᵀ + b in float32) for random integers, zeros and scales."""
     g = torch.Generator().manual_seed(seed)
     gsz = k if gs == -1 else gs
     q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.int32)
@@ -36,11 +38,13 @@ def make_weights(bits, gs, fmt, symmetric, k, n, seed=0):
     if fmt == "awq":
         t = pack_awq_gemm(q, z, s)
         kw = triton_layout.from_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
-        return kw, lambda x, b=None: reference.linear_awq(x, t["qweight"], t["qzeros"], t["scales"], gsz, b)
-    t = pack_compressed(q, z, s, bits, symmetric)
-    zp = t.get("weight_zero_point")
-    kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
-    return kw, lambda x, b=None: reference.linear_packed(x, t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz, b)
+        w = reference.dequantize_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
+    else:
+        t = pack_compressed(q, z, s, bits, symmetric)
+        zp = t.get("weight_zero_point")
+        kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+        w = reference.dequantize_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+    return kw, lambda x, b=None: F.linear(x.float(), w, None if b is None else b.float())
 
 
 def rel(out, ref):

@@ -1,9 +1,11 @@
-"""Repacking in row chunks (triton_layout.ROW_CHUNK) gives the same words as repacking whole layers."""
+"""Repacking in row chunks (triton_layout.ROW_CHUNK) gives the same words as repacking whole layers, and
+those words hold the layer's integers (read back independently of the packing code)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from mma_layers import mma_codes
 
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
@@ -39,4 +41,4 @@ def test_row_chunks_match_whole_layers(monkeypatch, fmt, bits):
     assert torch.equal(kw.qweight, whole_kw.qweight)
     assert torch.equal(mw.qweight, whole_mw.qweight)
     assert torch.equal(triton_layout.unpack_block_planar(kw.qweight, bits, k), q)
-    assert torch.equal(triton_mma.unpack_mma(mw.qweight, bits, k, n), q.to(torch.int64))
+    assert torch.equal(mma_codes(mw.qweight, bits, k, n), q.to(torch.int64))

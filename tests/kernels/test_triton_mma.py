@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_oracles import emulate_mma_gemv
-from mma_layers import random_layer
+from mma_layers import mma_codes, random_layer
 from ptx_interp import Warp
 
 from quantkit.kernels import launch as launch_mod
@@ -25,7 +25,7 @@ def test_pack_roundtrip(bits, k):
     q = torch.randint(0, 2**bits, (19, k), generator=torch.Generator().manual_seed(k))
     words = tm.pack_mma(q, bits)
     assert words.shape == (4, 16 * -(-k // 128) * 128 * bits // 32)
-    assert torch.equal(tm.unpack_mma(words, bits, k, 19), q)
+    assert torch.equal(mma_codes(words, bits, k, 19), q)
 
 
 def test_w4_word_holds_eight_consecutive_inputs():
