@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.lib.kernel_timing import rel_err
-from quantkit.formats.awq_gemm import pack_awq_gemm
-from quantkit.formats.compressed_tensors import pack_compressed
-from quantkit.kernels import dispatch, gluon_gemm, reference, triton_layout, triton_mma
+from tests.kernel_oracles import packed_layer
+from quantkit.kernels import dispatch, gluon_gemm, triton_mma
 from quantkit.kernels.triton_gemm import dequantize, gemm
 from quantkit.kernels.triton_gemv import gemv
 
@@ -35,15 +34,7 @@ def make_layer(k: int, n: int, bits: int, gs: int, fmt: str, symmetric: bool, se
     else:
         z = torch.randint(0, 2**bits, (n, k // gsz), generator=g, device="cuda", dtype=torch.int32)
     s = (torch.rand(n, k // gsz, generator=g, device="cuda") * 0.02 + 0.002).half()
-    if fmt == "awq":
-        t = pack_awq_gemm(q, z, s)
-        kw = triton_layout.from_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
-        w = reference.dequantize_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
-    else:
-        t = pack_compressed(q, z, s, bits, symmetric)
-        zp = t.get("weight_zero_point")
-        kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
-        w = reference.dequantize_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+    kw, w = packed_layer(q, z, s, bits, gsz, fmt, symmetric)
     return kw, lambda x: F.linear(x.float(), w)
 
 

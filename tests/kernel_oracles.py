@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.formats.awq_gemm import pack_awq_gemm
+from quantkit.formats.compressed_tensors import pack_compressed
+from quantkit.kernels import reference, triton_layout
 from quantkit.kernels.triton_mma import PAIR_NIBBLE, TILE_K, W4_ORDER, MmaWeights
 
 
@@ -95,3 +98,20 @@ def emulate_gluon_gemm(x: torch.Tensor, mw: MmaWeights) -> torch.Tensor:
         v = v.reshape(n, kt, 4, 4, 2, 2, 2).permute(0, 1, 3, 4, 6, 2, 5)  # as the kernel, per K-tile
     a = v.reshape(n, kt * TILE_K).float()
     return permute_x_torch(x).float() @ a.t()
+
+
+def packed_layer(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, gsz: int, fmt: str,
+                 symmetric: bool):
+    """Integers, zeros and scales packed in an on-disk format ("awq" or compressed-tensors), then into the
+    block-planar kernel layout: (KernelWeights, the dequantized weight [n, k] the reference reads back)."""
+    n, k = q.shape
+    if fmt == "awq":
+        t = pack_awq_gemm(q, z, s)
+        kw = triton_layout.from_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
+        w = reference.dequantize_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
+    else:
+        t = pack_compressed(q, z, s, bits, symmetric)
+        zp = t.get("weight_zero_point")
+        kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+        w = reference.dequantize_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+    return kw, w

@@ -35,6 +35,11 @@ def mma_codes(qweight: torch.Tensor, bits: int, k: int, n: int) -> torch.Tensor:
     4·(r % 8) + t, w % 4]."""
     dev = qweight.device
     wpt = 4 if bits == 4 else 8
+    # The layout's size, from the same description: 64·wpt words per (row tile, K-tile); row tiles may be
+    # padded past the last one that holds rows.
+    tiles, words = -(-n // 16), -(-k // TILE_K) * 64 * wpt
+    assert qweight.dtype == torch.int32 and qweight.shape[0] >= tiles and qweight.shape[1] == words, \
+        (qweight.dtype, tuple(qweight.shape), (tiles, words))
     r = torch.arange(n, device=dev)[:, None]
     i = torch.arange(k, device=dev)[None, :]
     tile, c, t = i // TILE_K, i % TILE_K // 32, i % 32 // 8

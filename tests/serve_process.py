@@ -96,6 +96,18 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def wait_for(condition, timeout: float, what: str = "the condition"):
+    """Poll `condition` until it gives a true value, which is returned; an AssertionError naming `what`
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.02)
+
+
 def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
     """Poll /metrics until no sequence is in flight and no KV block is held; the last reading."""
     deadline = time.monotonic() + timeout

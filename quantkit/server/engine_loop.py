@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from quantkit.config import UserError
-from quantkit.server.engine_requests import (  # noqa: F401  (re-exported)
-    ChatWithImages, EngineFailure, EngineInfo, Sink, StepOutput, add_to_engine, lean)
+from quantkit.server.engine_requests import ChatWithImages, EngineFailure, EngineInfo, Sink, StepOutput
 from quantkit.server.step_loop import StepLoop, ThreadInbox
 
 log = logging.getLogger(__name__)

@@ -101,9 +101,6 @@ class SamplingFields(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
 
-    @property
-    def max_new_tokens(self) -> Optional[int]:
-        raise NotImplementedError
 
     @field_validator("top_k")
     @classmethod

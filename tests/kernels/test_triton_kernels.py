@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
-from quantkit.kernels import reference, triton_layout
+from quantkit.kernels import triton_layout
+from kernel_oracles import packed_layer
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -35,15 +36,7 @@ def make_weights(bits, gs, fmt, symmetric, k, n, seed=0):
     q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.int32)
     z = torch.randint(1, 2**bits - 1, (n, k // gsz), generator=g, dtype=torch.int32)
     s = (torch.rand(n, k // gsz, generator=g) * 0.02 + 0.002).half()
-    if fmt == "awq":
-        t = pack_awq_gemm(q, z, s)
-        kw = triton_layout.from_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
-        w = reference.dequantize_awq(t["qweight"], t["qzeros"], t["scales"], gsz)
-    else:
-        t = pack_compressed(q, z, s, bits, symmetric)
-        zp = t.get("weight_zero_point")
-        kw = triton_layout.from_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
-        w = reference.dequantize_packed(t["weight_packed"], t["weight_scale"], zp, n, k, bits, gsz)
+    kw, w = packed_layer(q, z, s, bits, gsz, fmt, symmetric)
     return kw, lambda x, b=None: F.linear(x.float(), w, None if b is None else b.float())
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_process import SERVED_NAME, ServerProcess, write_chat_model
+from serve_process import SERVED_NAME, ServerProcess, metrics, write_chat_model
 
 
 @pytest.fixture(scope="session")
@@ -28,5 +28,10 @@ def qk_server(chat_model_dir, tmp_path_factory):
     server = ServerProcess(str(chat_model_dir), "--served-model-name", SERVED_NAME, "--num-kv-tokens", "4096",
                            "--max-num-seqs", "32", "--quiet",
                            log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    # The flags reached the engine: a pool of 4096 tokens in 16-token blocks, nothing held yet.
+    m = metrics(server.url)
+    assert m["quantkit_kv_blocks_total"] == 4096 // 16 and m["quantkit_kv_blocks_used"] == 0
     yield server
-    server.stop()
+    # Whatever the tests sent, SIGTERM still drains and exits cleanly.
+    code = server.stop()
+    assert code == 0, server.log_path.read_text()[-3000:]

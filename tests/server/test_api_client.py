@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from fake_openai import FakeOpenAI
+from serve_process import wait_for
 from quantkit.server.api_client import (ApiChatSession, ChatOptions, OpenAIClient, ServerError, api_client,
                                         parse_server_url, run_api_client, sse_data)
 
@@ -35,14 +36,6 @@ AS_IN_A_TERMINAL = ("import signal, sys; signal.signal(signal.SIGINT, signal.def
 
 def cli_in_a_terminal(*args: str) -> list[str]:
     return [sys.executable, "-c", AS_IN_A_TERMINAL, "api-client", *args]
-
-
-def wait_for(condition, timeout: float = 10.0) -> bool:
-    """Poll `condition` until it holds or `timeout` seconds pass; its last value."""
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(condition())
 
 
 def free_port() -> int:
@@ -153,7 +146,7 @@ def test_ctrl_c_stops_the_answer_not_the_client():
             if proc.poll() is None:
                 proc.kill()
         first = fake.requests.index(fake.chats()[0])
-        assert wait_for(lambda: fake.aborted == [first])  # the server saw the first answer stopped
+        assert wait_for(lambda: fake.aborted == [first], 10, "the abort")  # the server saw the first answer stopped
     assert proc.returncode == 0, err
     partial = out.split(">>> ")[1].split(" [stopped]")[0]
     assert partial.startswith("w0 w1 w2 ") and "w39" not in partial

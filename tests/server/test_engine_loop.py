@@ -14,7 +14,8 @@ import pytest
 
 from quantkit.config import UserError
 from quantkit.engine.llm_engine import RequestOutput, Usage
-from quantkit.server.engine_loop import EngineFailure, EngineLoop
+from quantkit.server.engine_loop import EngineLoop
+from quantkit.server.engine_requests import EngineFailure
 
 
 class ScriptedEngine:

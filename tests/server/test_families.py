@@ -207,7 +207,7 @@ def test_engine_info_crosses_to_the_engine_process(family):
     generation config, pickled; they encode the chat and hold the stop tokens as the engine's own do."""
     import pickle
 
-    from quantkit.server.engine_loop import EngineInfo
+    from quantkit.server.engine_requests import EngineInfo
 
     engine = Engine(family.export, EngineConfig(device="cpu", num_kv_tokens=512))
     info = pickle.loads(pickle.dumps(EngineInfo.of(engine)))

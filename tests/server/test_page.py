@@ -10,14 +10,13 @@ import contextlib
 import os
 import re
 import threading
-import time
 
 import pytest
 import requests
 from playwright.sync_api import sync_playwright
 
 from fake_openai import FakeOpenAI
-from serve_process import SERVED_NAME
+from serve_process import SERVED_NAME, wait_for
 from quantkit.server.webui import WebUIConfig, WebUIServer
 
 # Debian's package (.ci/run installs it; Playwright's own browser download is not used). Elsewhere, point
@@ -64,14 +63,6 @@ def chat_page(browser, fake: FakeOpenAI):
         context.close()
         server.shutdown()
         server.server_close()
-
-
-def wait_for(condition, timeout: float) -> bool:
-    """Poll `condition` until it holds or `timeout` seconds pass; its last value."""
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return bool(condition())
 
 
 def say(page, text: str) -> None:

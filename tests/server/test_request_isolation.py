@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from serve_process import wait_for
 from tiny import poison_sampler
 
 from quantkit.engine import Engine, EngineConfig
@@ -35,10 +35,8 @@ def poisoned_url(chat_model_dir):
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
+    wait_for(lambda: server.started or not thread.is_alive(), 60, "the server to start")
+    assert server.started, "the server thread ended before it started"
     yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
     server.should_exit = True
     thread.join(30)

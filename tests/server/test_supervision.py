@@ -9,13 +9,12 @@ Stalls and step failures are injected through the engine's test-only hook (QUANT
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import psutil
 import requests
 
-from serve_process import ServerProcess, metrics
+from serve_process import ServerProcess, metrics, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "the cache keeps keys"}], "max_tokens": 4, "ignore_eos": True}
@@ -28,16 +27,6 @@ def engine_process(server_pid: int) -> psutil.Process:
                 if "spawn_main" in " ".join(p.cmdline()) and p.is_running()]
     assert len(children) == 1, children
     return children[0]
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.1)
 
 
 def serves(url: str) -> bool:

@@ -1,12 +1,12 @@
 #!/bin/bash
 # `quantkit serve` on one GPU (random:llama2-7b:w4), in device calls of under 10 minutes each:
-#   bash bench/serve_gpu_run.sh overhead OUTDIR OLD_TREE   # bench.serve c1,64,1,64: OLD_TREE's server, then this one
-#   bash bench/serve_gpu_run.sh soak-start DIR [MINUTES]   # serve + bench.soak (c64, kills at 2 and 6 min), detached
-#   bash bench/serve_gpu_run.sh soak-wait DIR SECONDS      # wait for the detached soak (at most SECONDS), show it
+#   bash bench/probes/serve_gpu_run.sh overhead OUTDIR OLD_TREE   # bench serve c1,64 ×3: OLD_TREE's server, then this one's
+#   bash bench/probes/serve_gpu_run.sh soak-start DIR [MINUTES]   # serve + bench.soak (c64, kills at 2 and 6 min), detached
+#   bash bench/probes/serve_gpu_run.sh soak-wait DIR SECONDS      # wait for the detached soak (at most SECONDS), show it
 # The soak runs in a session of its own (setsid) so that it outlasts the call that started it; the next
 # call, made while the machine is still warm, waits for it.
 set -u
-part=${1:?usage: bench/serve_gpu_run.sh overhead|soak-start|soak-wait DIR ...}
+part=${1:?usage: bench/probes/serve_gpu_run.sh overhead|soak-start|soak-wait DIR ...}
 dir=${2:?a directory}
 mkdir -p "$dir"
 export PYTHONUNBUFFERED=1
@@ -14,12 +14,21 @@ model=random:llama2-7b:w4
 
 case $part in
 overhead)
+  # Each tree's own server; `quantkit bench serve --concurrency 1,64` three times against it (pass 1 meets
+  # the first-seen Triton shapes: a warm-up), bench_serve.json of passes 2 and 3 kept.
   old=${3:?the old tree}
   for tree in "$old" "$PWD"; do
     label=$([ "$tree" = "$PWD" ] && echo new || echo old)
-    (cd "$tree" && PYTHONPATH=.:${PYTHONPATH:-} timeout 280 python -m bench.serve --out-dir "$dir/$label" --quantkit "$model" \
-       --quantkit-label "$label" --concurrency 1,64,1,64 --input-len 512 --output-len 128 2>&1 \
-       | grep -v "it/s" | tail -8)
+    (cd "$tree" || exit 1
+     export PYTHONPATH=.:${PYTHONPATH:-}
+     setsid python -m quantkit.cli serve "$model" --port 24000 --quiet > "$dir/server_$label.log" 2>&1 &
+     pid=$!
+     until curl -sf http://127.0.0.1:24000/health > /dev/null; do kill -0 $pid 2>/dev/null || exit 1; sleep 1; done
+     for pass in 1 2 3; do
+       python -m quantkit.cli bench serve http://127.0.0.1:24000 --concurrency 1,64 --input-len 512 \
+         --output-len 128 -o "$dir/${label}_$pass" --quiet 2>&1 | grep "^| [0-9]" | sed "s/^/$label pass $pass /"
+     done
+     kill -TERM -$pid; for _ in $(seq 30); do kill -0 $pid 2>/dev/null || break; sleep 1; done)
   done
   ;;
 soak-start)
