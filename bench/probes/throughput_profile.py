@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,55 +28,83 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed_run(engine, prompts, params, profile_kinds=()) -> dict:
+def timed_run(engine, prompts, params, profile_kinds=(), concurrency: int = 0) -> dict:
+    """Step `engine` until every prompt is answered, timing each `Engine.step` in its parts. All prompts
+    are queued at once (offline), or with `concurrency` > 0 a closed loop keeps that many requests in
+    flight (a new one is queued the moment one finishes, as `bench serve`'s clients do, without HTTP).
+    Per request: time to first token and mean time per output token after it."""
     rows = []
     runner, sched = engine.runner, engine.scheduler
-    prepare = runner.prepare
-    spent = {"prepare": 0.0}
+    spent = collections.Counter()
 
-    def timed_prepare(batch):
-        t = time.perf_counter()
-        out = prepare(batch)
-        spent["prepare"] += time.perf_counter() - t
-        return out
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
 
-    runner.prepare = timed_prepare
-    for p in prompts:
-        engine.add_request(p, params)
+    runner.prepare = timed("prepare", runner.prepare)
+    runner.run = timed("run", runner.run)
+    engine._sample = timed("sample", engine._sample)
+    sched.schedule = timed("schedule", sched.schedule)
+    queue = list(prompts)
+    added, first, last, count = {}, {}, {}, collections.Counter()
+
+    def feed() -> None:
+        while queue and (concurrency <= 0 or len(engine._requests) < concurrency):
+            rid = engine.add_request(queue.pop(0), params)
+            added[rid] = time.perf_counter()
+
     profiles = {}
     _sync()
     start = time.perf_counter()
+    feed()
     while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        batch = sched.schedule()
-        t1 = time.perf_counter()
-        spent["prepare"] = 0.0
-        nd = sum(1 for _, n in batch if n == 1)
-        ntok = batch.num_tokens
-        kind = "decode" if nd == len(batch) else ("mixed" if nd else "prefill")
+        spent.clear()
+        batch_kinds = {}
+
+        def peek(fn=sched.schedule):
+            batch = fn()
+            nd = sum(1 for _, n in batch if n == 1)
+            batch_kinds.update(nd=nd, ntok=batch.num_tokens, nseq=len(batch),
+                               kind="decode" if nd == len(batch) else ("mixed" if nd else "prefill"))
+            return batch
+
+        sched.schedule = peek
         prof = None
-        if kind in profile_kinds and profiles.get(kind, 0) < 5 and rows and len(rows) > 8:
+        if profile_kinds and len(rows) > 8 and any(profiles.get(k, 0) < 5 for k in profile_kinds):
             from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CUDA])
             prof.start()
-        logits, seqs = runner.run(batch)
-        t2 = time.perf_counter()
-        token_ids, logprobs = engine.sampler(logits, seqs) if seqs else (torch.empty(0), None)
-        token_ids = token_ids.tolist()
-        t3 = time.perf_counter()
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        sched.schedule = peek.__defaults__[0]
         if prof is not None:
+            _sync()
             prof.stop()
-            profiles[kind] = profiles.get(kind, 0) + 1
-            profiles.setdefault(kind + "_events", []).append(prof.key_averages())
-        sched.postprocess(batch, token_ids, logprobs)
-        for seq, tok in zip(seqs, token_ids):
-            engine._advance(seq, tok)
-        t4 = time.perf_counter()
-        rows.append(dict(kind=kind, nd=nd, ntok=ntok, nseq=len(batch), schedule=t1 - t0, prepare=spent["prepare"],
-                         launch=t2 - t1 - spent["prepare"], wait=t3 - t2, post=t4 - t3, total=t4 - t0))
+            kind = batch_kinds["kind"]
+            if kind in profile_kinds and profiles.get(kind, 0) < 5:
+                profiles[kind] = profiles.get(kind, 0) + 1
+                profiles.setdefault(kind + "_events", []).append(prof.key_averages())
+        for out in outputs:
+            if out.token_ids:
+                first.setdefault(out.request_id, t1)
+                last[out.request_id] = t1
+                count[out.request_id] += len(out.token_ids)
+        rows.append(dict(**batch_kinds, schedule=spent["schedule"], prepare=spent["prepare"],
+                         launch=spent["run"] - spent["prepare"], wait=spent["sample"],
+                         post=(t1 - t0) - spent["schedule"] - spent["run"] - spent["sample"], total=t1 - t0))
+        feed()
     _sync()
     elapsed = time.perf_counter() - start
-    return dict(rows=rows, elapsed=elapsed, profiles=profiles)
+    ttft = [first[r] - added[r] for r in first]
+    tpot = [(last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1]
+    return dict(rows=rows, elapsed=elapsed, profiles=profiles, output_tokens=sum(count.values()),
+                mean_ttft_ms=1e3 * sum(ttft) / max(len(ttft), 1), mean_tpot_ms=1e3 * sum(tpot) / max(len(tpot), 1))
 
 
 def summarize(result: dict, label: str) -> None:
@@ -123,32 +153,66 @@ def summarize(result: dict, label: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama2-7b")
-    ap.add_argument("--weights", default="w4")
+    ap.add_argument("--weights", default="w4", help="comma-separated: w4,fp16 runs both in one call")
     ap.add_argument("--kv-bits", type=int, default=16)
     ap.add_argument("--budgets", default="2048")
-    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--num-prompts", type=int, default=512, help="offline runs' prompts")
+    ap.add_argument("--concurrency", default="0",
+                    help="comma-separated levels; 0 = offline (every prompt at once), C > 0 = a closed loop of C "
+                         "requests in flight, max(4 × C, 16) requests, as `bench serve` sends them")
+    ap.add_argument("--passes", type=int, default=1, help="runs per level (the first meets first-seen shapes)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU (a smoke run)")
     ap.add_argument("--profile", action="store_true", help="also profile eager steps (a separate engine)")
+    ap.add_argument("--out", help="write each run's summary as JSON here")
     args = ap.parse_args()
-    setup = BenchSetup(args.shape, args.weights, args.kv_bits, tiny=args.tiny)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    for budget in [int(b) for b in args.budgets.split(",")]:
-        for graphs in ([True, False] if args.profile else [True]):
-            engine = setup.engine(max_model_len=args.input_len + args.output_len + 1, cuda_graphs=graphs,
-                                  max_num_batched_tokens=budget)
-            vocab = engine.model.config.vocab_size
-            engine.generate(_random_prompts(4, args.input_len, vocab, seed=1), params, progress=False)
-            prompts = _random_prompts(args.num_prompts, args.input_len, vocab)
-            kinds = ("decode", "mixed", "prefill") if not graphs and torch.cuda.is_available() else ()
-            result = timed_run(engine, prompts, params, kinds)
-            out = len(result["rows"]) and args.num_prompts * args.output_len / result["elapsed"]
-            summarize(result, f"{args.shape} {args.weights} kv{args.kv_bits} budget {budget} graphs {graphs}: "
-                              f"{out:.0f} output tok/s")
-            del engine
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results = []
+    for weights in args.weights.split(","):
+        setup = BenchSetup(args.shape, weights, args.kv_bits, tiny=args.tiny)
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            for graphs in ([True, False] if args.profile else [True]):
+                offline = levels == [0]
+                engine = setup.engine(max_num_seqs=512 if offline else 256, cuda_graphs=graphs,
+                                      max_model_len=args.input_len + args.output_len + 1 if offline else None,
+                                      max_num_batched_tokens=budget)
+                vocab = engine.model.config.vocab_size
+                for level in levels:
+                    n = args.num_prompts if level == 0 else max(4 * level, 16)
+                    for p in range(args.passes):
+                        prompts = _random_prompts(n, args.input_len, vocab, seed=100 * level + p)
+                        kinds = (("decode", "mixed", "prefill") if not graphs and torch.cuda.is_available()
+                                 and p == args.passes - 1 else ())
+                        result = timed_run(engine, prompts, params, kinds, concurrency=level)
+                        out = result["output_tokens"] / result["elapsed"]
+                        label = (f"{setup.describe()['shape']} {weights} kv{args.kv_bits} budget {budget} graphs {graphs} "
+                                 f"{'offline' if level == 0 else f'c{level}'} pass {p + 1}: {out:.0f} output tok/s, "
+                                 f"mean TTFT {result['mean_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms")
+                        summarize(result, label)
+                        results.append(dict(shape=args.shape, weights=weights, budget=budget, graphs=graphs,
+                                            concurrency=level, pass_=p + 1, output_tok_s=round(out, 1),
+                                            mean_ttft_ms=round(result["mean_ttft_ms"], 2),
+                                            mean_tpot_ms=round(result["mean_tpot_ms"], 3),
+                                            steps=by_kind(result["rows"])))
+                del engine
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def by_kind(rows: list[dict]) -> dict:
+    """Per step kind: count and mean milliseconds of each part."""
+    out = {}
+    for r in rows:
+        c = out.setdefault(r["kind"], collections.Counter())
+        c["steps"] += 1
+        for k in ("ntok", "nd", "schedule", "prepare", "launch", "wait", "post", "total"):
+            c[k] += r[k]
+    return {kind: {k: round((1e3 if k not in ("steps", "ntok", "nd") else 1) * v / (1 if k == "steps" else c["steps"]), 3)
+                   for k, v in c.items()} for kind, c in out.items()}
 
 
 if __name__ == "__main__":
