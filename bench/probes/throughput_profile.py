@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="0",
                     help="comma-separated levels; 0 = offline (every prompt at once), C > 0 = a closed loop of C "
                          "requests in flight, max(4 × C, 16) requests, as `bench serve` sends them")
+    ap.add_argument("--graph-max-tokens", default="2048",
+                    help="comma-separated: piecewise prefill graphs up to this many tokens (0: eager), one engine each")
     ap.add_argument("--passes", type=int, default=1, help="runs per level (the first meets first-seen shapes)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
@@ -172,12 +174,13 @@ def main() -> None:
     results = []
     for weights in args.weights.split(","):
         setup = BenchSetup(args.shape, weights, args.kv_bits, tiny=args.tiny)
-        for budget in [int(b) for b in args.budgets.split(",")]:
+        for budget, pieces in [(int(b), int(g)) for b in args.budgets.split(",")
+                               for g in args.graph_max_tokens.split(",")]:
             for graphs in ([True, False] if args.profile else [True]):
                 offline = levels == [0]
                 engine = setup.engine(max_num_seqs=512 if offline else 256, cuda_graphs=graphs,
                                       max_model_len=args.input_len + args.output_len + 1 if offline else None,
-                                      max_num_batched_tokens=budget)
+                                      max_num_batched_tokens=budget, graph_max_tokens=pieces)
                 vocab = engine.model.config.vocab_size
                 for level in levels:
                     n = args.num_prompts if level == 0 else max(4 * level, 16)
@@ -187,12 +190,14 @@ def main() -> None:
                                  and p == args.passes - 1 else ())
                         result = timed_run(engine, prompts, params, kinds, concurrency=level)
                         out = result["output_tokens"] / result["elapsed"]
-                        label = (f"{setup.describe()['shape']} {weights} kv{args.kv_bits} budget {budget} graphs {graphs} "
+                        label = (f"{setup.describe()['shape']} {weights} kv{args.kv_bits} budget {budget} "
+                                 f"graphs {graphs} pieces {pieces} "
                                  f"{'offline' if level == 0 else f'c{level}'} pass {p + 1}: {out:.0f} output tok/s, "
-                                 f"mean TTFT {result['mean_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms")
+                                 f"mean TTFT {result['mean_ttft_ms']:.1f} ms, "
+                                 f"mean TPOT {result['mean_tpot_ms']:.2f} ms")
                         summarize(result, label)
                         results.append(dict(shape=args.shape, weights=weights, budget=budget, graphs=graphs,
-                                            concurrency=level, pass_=p + 1, output_tok_s=round(out, 1),
+                                            pieces=pieces, concurrency=level, pass_=p + 1, output_tok_s=round(out, 1),
                                             mean_ttft_ms=round(result["mean_ttft_ms"], 2),
                                             mean_tpot_ms=round(result["mean_tpot_ms"], 3),
                                             steps=by_kind(result["rows"])))
@@ -204,15 +209,19 @@ def main() -> None:
 
 
 def by_kind(rows: list[dict]) -> dict:
-    """Per step kind: count and mean milliseconds of each part."""
-    out = {}
+    """Per step kind: the count, mean tokens and decodes per step, and mean milliseconds of each part."""
+    sums: dict[str, collections.Counter] = {}
     for r in rows:
-        c = out.setdefault(r["kind"], collections.Counter())
+        c = sums.setdefault(r["kind"], collections.Counter())
         c["steps"] += 1
         for k in ("ntok", "nd", "schedule", "prepare", "launch", "wait", "post", "total"):
             c[k] += r[k]
-    return {kind: {k: round((1e3 if k not in ("steps", "ntok", "nd") else 1) * v / (1 if k == "steps" else c["steps"]), 3)
-                   for k, v in c.items()} for kind, c in out.items()}
+    out = {}
+    for kind, c in sums.items():
+        n = c["steps"]
+        out[kind] = {"steps": n, "ntok": round(c["ntok"] / n, 1), "nd": round(c["nd"] / n, 1),
+                     **{k: round(1e3 * c[k] / n, 3) for k in ("schedule", "prepare", "launch", "wait", "post", "total")}}
+    return out
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ class EngineConfig:
     device: Optional[str] = None
     dtype: Any = "auto"
     cuda_graphs: bool = True
+    # With cuda_graphs: steps with prompt tokens of up to this many tokens replay piecewise CUDA graphs
+    # (engine/piecewise.py); 0 runs them eagerly.
+    graph_max_tokens: int = 2048
     enable_prefix_caching: bool = True
     # kv_bits 8/4: "online" scales each token's K/V by its own range; "static" by per-layer per-head scales
     # from calibration statistics (`kv_stats`: a kv_stats.safetensors file, or a directory holding one;
@@ -55,6 +58,9 @@ class EngineConfig:
                               f"({self.block_size} tokens): raise it.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be ≥ 1.")
+        if not 0 <= self.graph_max_tokens <= 2048:
+            raise ConfigError(f"--graph-max-tokens {self.graph_max_tokens} must be in [0, 2048] (0 turns the "
+                              "prefill graphs off).")
         if self.kv_scales not in ("online", "static"):
             raise ConfigError(f"--kv-scales {self.kv_scales!r} is not supported: choose online or static.")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -50,8 +50,9 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor],
-                meta: AttnMetadata) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor, rope_rows: tuple[torch.Tensor, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D] of the normalized hidden states, q and k rotated."""
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -60,8 +61,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary(q, k, rope_rows)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v
 
 
 class DecoderMLP(nn.Module):
@@ -88,15 +88,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, hidden, residual, rope_rows, meta: AttnMetadata):
+    # A layer is `begin`, attention, `end`: the model runner's piecewise CUDA graphs (engine/piecewise.py)
+    # replay `end` of one layer and `begin` of the next as one graph and run attention between them.
+    def begin(self, hidden, residual, rope_rows):
+        """(q, k, v, residual) from the previous layer's output and the residual stream (None: the first)."""
         # The residual stream is added inside the norms (one fused op each) rather than after each sub-block.
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope_rows, meta)
+        return (*self.self_attn.project(hidden, rope_rows), residual)
+
+    def end(self, attn_out, residual):
+        """(output, residual) from attention's output [T, heads, D] and the residual stream."""
+        attn = self.self_attn
+        hidden = attn.o_proj(attn_out.reshape(-1, attn.q_size))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward(self, hidden, residual, rope_rows, meta: AttnMetadata):
+        q, k, v, residual = self.begin(hidden, residual, rope_rows)
+        return self.end(self.self_attn.attn(q, k, v, meta), residual)
 
 
 class Decoder(nn.Module):

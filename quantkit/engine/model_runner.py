@@ -3,7 +3,8 @@
 The pool is sized once, at start: on CUDA it takes `cache_max_entry_count` of the memory still free
 after the weights and a warm-up forward of the largest step (lmdeploy's rule); on the CPU it holds
 `num_kv_tokens` tokens. A step whose sequences each bring one token (a pure decode) replays a CUDA graph
-captured for the next batch-size bucket up; the padding rows write nowhere (slot -1).
+captured for the next batch-size bucket up; the padding rows write nowhere (slot -1). A step with
+prompt tokens replays piecewise graphs around its eager attention (engine/piecewise.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from quantkit.config import ConfigError, UserError
+from quantkit.engine import piecewise
 from quantkit.engine.attention import AttnMetadata
 from quantkit.engine.kv_scales import pool_static_scales
 from quantkit.engine.multimodal import step_embeds
@@ -27,8 +29,8 @@ from quantkit.kernels.paged_kv import PagedKV
 log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# Token counts around which the quantized linears change kernel configuration (kernels/dispatch.py picks
-# by M bucket) or Triton its specialization (an integer argument divisible by 16 or not): the warm-up
+# Token counts around which the quantized linears change kernel configuration (the M bounds of
+# kernels/dispatch_table.py) or Triton its specialization (an integer argument divisible by 16 or not): the warm-up
 # runs a forward at each bound and one below it, so no request meets a kernel compiled on first sight.
 WARMUP_BOUNDS = (8, 16, 32, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192)
 CPU_KV_TOKENS = 8192
@@ -78,9 +80,11 @@ class ModelRunner:
         self.num_blocks = self._allocate_pool()
         self._warmup_pool()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.piecewise: Optional[piecewise.PiecewiseGraphs] = None
         self.use_graphs = bool(config.cuda_graphs) and self.device.type == "cuda"
         if self.use_graphs:
             self.capture_graphs()
+            self.capture_piecewise()
 
     @staticmethod
     def _resolve_max_model_len(requested: Optional[int], max_positions: int) -> int:
@@ -224,6 +228,9 @@ class ModelRunner:
         return StepInputs(ids_d, pos_d, meta, rows_d, sampled, step_embeds(batch, self.device))
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
+        pieces = self.piecewise
+        if pieces is not None and step.input_embeds is None and pieces.bucket(step.input_ids.shape[0]) is not None:
+            return pieces.forward(step.input_ids, step.positions, step.meta)
         return self.model(step.input_ids, step.positions, step.meta, input_embeds=step.input_embeds)
 
     @torch.no_grad()
@@ -284,6 +291,32 @@ class ModelRunner:
             log.warning("CUDA-graph capture failed, decoding eagerly: %s", str(exc).splitlines()[0])
             self.graphs.clear()
             self.g_logits = {}
+
+    @torch.no_grad()
+    def capture_piecewise(self, capture: Optional[piecewise.Capture] = None) -> None:
+        """Piecewise graphs for steps with prompt tokens, up to config.graph_max_tokens tokens (and no
+        more than a step may hold). `capture(piece)` → replay callable (default: a CUDA graph; the tests
+        pass an eager stand-in)."""
+        limit = min(self.config.graph_max_tokens, self.config.max_num_batched_tokens)
+        if limit <= 0 or not piecewise.supported(self.model):
+            return
+        self._piece_pool = None
+        try:
+            self.piecewise = piecewise.PiecewiseGraphs(self.model, limit, capture or self._cuda_piece)
+        except RuntimeError as exc:  # a kernel that cannot be captured: such steps run eagerly, still correct
+            log.warning("piecewise CUDA-graph capture failed, prefill steps run eagerly: %s",
+                        str(exc).splitlines()[0])
+            self.piecewise = None
+
+    def _cuda_piece(self, piece: Callable[[], None]) -> Callable[[], None]:
+        with graph_warmup():
+            piece()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._piece_pool):
+            piece()
+        self._piece_pool = self._piece_pool or graph.pool()
+        return graph.replay
 
     def _cuda_graph(self, forward: Callable[[], torch.Tensor], meta: AttnMetadata):
         with graph_warmup():  # compiles the kernels the capture launches, outside it

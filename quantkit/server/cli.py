@@ -49,7 +49,10 @@ def serve(
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: str = DTYPE,
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA "
-                                     "graphs."),
+                                     "graphs, and steps with prompt tokens from piecewise graphs around attention."),
+    graph_max_tokens: int = typer.Option(2048, "--graph-max-tokens", min=0, max=2048, help="Steps with prompt "
+                                         "tokens of up to this many tokens replay piecewise CUDA graphs (captured "
+                                         "at start, padded to 16 … 2048-token buckets); 0 runs them eagerly."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV blocks "
                                         "of prompts' common prefixes (chat history, system prompts)."),
     allow_origins: list[str] = typer.Option([], "--allow-origin", help="Let browser pages from this origin call "
@@ -110,7 +113,7 @@ def serve(
                           num_kv_tokens=num_kv_tokens,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                          enable_prefix_caching=prefix_caching)
+                          graph_max_tokens=graph_max_tokens, enable_prefix_caching=prefix_caching)
     run_serve(ServeConfig(model=model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           max_queue=max_queue, tokenizer=tokenizer, engine=engine, allow_origins=allow_origins,
                           shutdown_timeout=shutdown_timeout, access_log=access_log,

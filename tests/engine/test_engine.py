@@ -252,6 +252,72 @@ def test_decode_steps_through_graph_buckets_equal_hf(tiny_models):
         assert toks == hf_greedy(path, prompt)
 
 
+class CountingPieces:
+    """Piecewise graphs' stand-in on the CPU: a piece runs eagerly when replayed (it reads and writes only
+    the runner's static buffers, as a graph would); replays are counted."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def __call__(self, piece):
+        def replay() -> None:
+            self.replays += 1
+            piece()
+        return replay
+
+
+@pytest.mark.parametrize("arch,budget", [("llama", 24), ("qwen2", 100), ("qwen3", 100), ("mistral", 300)])
+def test_prefill_steps_through_piecewise_graphs_equal_hf(tiny_models, arch, budget):
+    """Prefill and mixed steps padded to a bucket and run as pieces around eager attention give
+    transformers' greedy tokens; every prompt token went through the pieces."""
+    path = tiny_models[arch]
+    eng = engine(path, max_num_batched_tokens=budget, graph_max_tokens=budget)
+    counter = CountingPieces()
+    eng.runner.capture_piecewise(counter)
+    pieces = eng.runner.piecewise
+    assert pieces.buckets[-1] >= budget and counter.replays == 0
+    steps = []
+    forward = pieces.forward
+    pieces.forward = lambda ids, *a: steps.append(ids.shape[0]) or forward(ids, *a)
+    ps = prompts(3, (5, 37, 2, 19, 64, 90))
+    results = run_staggered(eng, [ps[:2], ps[2:4], ps[4:]])
+    for prompt, toks in results.values():
+        assert toks == hf_greedy(path, prompt)
+    assert sum(steps) >= sum(len(p) for p in ps)  # prompt tokens, and the decodes of mixed steps
+    assert counter.replays == len(steps) * (eng.model.num_layers + 1)
+    assert eng.block_manager.num_free_blocks == eng.runner.num_blocks
+
+
+def test_piecewise_forward_equals_the_eager_forward(tiny_models):
+    """A mixed step (two decodes, a prompt chunk after its cached first chunk), padded to its bucket: the
+    real rows' hidden states equal the plain forward's, and the K/V written are the same (none for the
+    padding rows)."""
+    eng = engine(tiny_models["qwen2"], max_num_batched_tokens=60, graph_max_tokens=60)
+    eng.runner.capture_piecewise(lambda piece: piece)
+    for p in prompts(5, (7, 9)):
+        eng.add_request(p, GREEDY)
+    eng.step()  # both prompts: the next steps decode them
+    eng.add_request(prompts(6, (100,))[0], GREEDY)
+    eng.step()  # 2 decodes + the first 58 tokens of the long prompt
+    batch = eng.scheduler.schedule()  # 2 decodes + its other 42 tokens: 44 rows in the bucket of 64
+    step = eng.runner.prepare(batch)
+    assert step.meta.num_decode == 2 and step.input_ids.shape[0] == 44
+    caches = eng.runner.kv_caches
+    before = [(c.k.clone(), c.v.clone()) for c in caches]
+    plain = eng.model(step.input_ids, step.positions, step.meta)
+    after = [(c.k.clone(), c.v.clone()) for c in caches]
+    for c, (k, v) in zip(caches, before):
+        c.k.copy_(k)
+        c.v.copy_(v)
+    pieces = eng.runner.piecewise
+    assert pieces.bucket(44) == 64
+    torch.testing.assert_close(pieces.forward(step.input_ids, step.positions, step.meta), plain,
+                               rtol=1e-4, atol=1e-4)
+    for c, (k, v) in zip(caches, after):
+        torch.testing.assert_close(c.k, k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c.v, v, rtol=1e-4, atol=1e-4)
+
+
 def test_logprobs_come_with_the_tokens(tiny_models):
     eng = engine(tiny_models["llama"])
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)

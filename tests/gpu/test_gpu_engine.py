@@ -57,6 +57,31 @@ def test_graphed_engine_follows_transformers(small_llama, checkpoint):
         assert worst_gap(hf, p, out.token_ids) <= NEAR_TIE
 
 
+@pytest.mark.parametrize("checkpoint", ["fp16", "w4g128"])
+def test_prefill_pieces_follow_transformers(small_llama, checkpoint):
+    """Prefill and mixed steps replayed as piecewise CUDA graphs (a 64-token budget: prompts chunked
+    beside other sequences' decodes, padded to the buckets 16 … 64) follow transformers."""
+    import quantkit
+    from transformers import AutoModelForCausalLM
+
+    path = small_llama[checkpoint]
+    engine = Engine(path, EngineConfig(cache_max_entry_count=0.05, max_num_seqs=8, max_num_batched_tokens=64))
+    pieces = engine.runner.piecewise
+    assert pieces is not None and pieces.buckets == [16, 32, 64]
+    rows = []
+    forward = pieces.forward
+    pieces.forward = lambda ids, *a: rows.append(ids.shape[0]) or forward(ids, *a)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 90, 17, 33)]
+    outputs = engine.generate(prompts, GREEDY, progress=False)
+    assert sum(rows) >= sum(map(len, prompts))
+    hf = (AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float16).cuda().eval() if checkpoint == "fp16"
+          else quantkit.load(path, device="cuda")[0])
+    for p, out in zip(prompts, outputs):
+        assert len(out.token_ids) == NEW
+        assert worst_gap(hf, p, out.token_ids) <= NEAR_TIE
+
+
 def test_pool_grows_with_the_fraction_and_kv_bits(small_llama):
     sizes = {}
     for bits, fraction in ((16, 0.1), (16, 0.2), (8, 0.2), (4, 0.2)):
