@@ -375,8 +375,9 @@ def api_client(
 
 bench_app = typer.Typer(help="Speed: the engine on random-weight models of real shapes (latency, throughput), and any OpenAI-compatible server under load (serve).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-SHAPE = typer.Option("llama2-7b", "--shape", help="llama2-7b, llama3-8b or internlm2-1.8b (random weights).")
-WEIGHTS = typer.Option("w4", "--weights", help="w4 (4-bit, group 128) or fp16.")
+SHAPE = typer.Option("llama2-7b", "--shape", help="llama2-7b, llama3-8b, internlm2-1.8b, chatglm2-6b, qwen-7b or "
+                     "qwen-14b (random weights).")
+WEIGHTS = typer.Option("w4", "--weights", help="w4 (4-bit, group 128), w8 (int8 weight-only, per channel) or fp16.")
 TINY = typer.Option(False, "--tiny", help="A tiny shape on the CPU (a smoke test of the benchmark itself).")
 
 

@@ -25,7 +25,7 @@ from quantkit.engine.random_model import SHAPES, build_random_model
 @dataclass(frozen=True)
 class BenchSetup:
     shape: str = "llama2-7b"
-    weights: str = "w4"              # "w4" (4-bit, group 128) or "fp16"
+    weights: str = "w4"              # "w4" (4-bit, group 128), "w8" (8-bit per channel) or "fp16"
     kv_bits: int = 16
     tiny: bool = False               # the "tiny" shape on the CPU
     cache_max_entry_count: float = 0.8
