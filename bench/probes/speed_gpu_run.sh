@@ -7,6 +7,9 @@
 # step:      batch-1 decode step: Engine.step vs graph replay, eager kernels (bench/probes/engine_step_profile.py)
 # latency2k: batch 1 after a 2,048-token prompt (prefill rate = 2048 / TTFT, decode at context), W4 and fp16
 # attention: the paged decode-attention kernel at b1/b32 × 2k/4k, KV 16/8 (bench/probes/paged_attention.py)
+# gputest:   the engine's GPU tests (graphs, piecewise prefill graphs)
+# loadab:    the closed loop, W4, budget 2048, piecewise graphs off (0) and on (2048); loadfp16: fp16, on
+# throughput: bench.throughput 7B W4 512 × 512/128, KV16;  seed: bench.latency --seed-table
 out=${1:?usage: bench/probes/speed_gpu_run.sh OUTDIR PARTS}
 parts=${2:-"load offline step latency2k attention"}
 mkdir -p "$out"
@@ -41,5 +44,27 @@ if has attention; then
   stamp attention
   timeout 90 python bench/probes/paged_attention.py --shape llama2-7b --batches 1,32 --contexts 2048,4096 \
     --max-model-len 4096 2>&1 | tail -20
+fi
+if has gputest; then
+  stamp gputest
+  timeout 200 python -m pytest -q -m gpu tests/gpu/test_gpu_engine.py -x 2>&1 | tail -8
+fi
+if has loadab; then
+  stamp loadab
+  timeout 240 python -m bench.probes.throughput_profile --weights w4 --budgets 2048 --graph-max-tokens 0,2048 \
+    --concurrency 1,16,64 --passes 2 --out "$out"/loadab_w4.json 2>&1 | grep "=="
+fi
+if has loadfp16; then
+  stamp loadfp16
+  timeout 150 python -m bench.probes.throughput_profile --weights fp16 --budgets 2048 --graph-max-tokens 2048 \
+    --concurrency 1,16,64 --passes 2 --out "$out"/loadab_fp16.json 2>&1 | grep "=="
+fi
+if has throughput; then
+  stamp throughput
+  timeout 150 python -m bench.throughput --kv-bits 16 --out "$out"/throughput.json 2>&1 | grep -v "it/s" | tail -4
+fi
+if has seed; then
+  stamp seed
+  timeout 420 python -m bench.latency --seed-table --out "$out"/seed.json 2>&1 | grep -v "it/s" | tail -14
 fi
 stamp done
