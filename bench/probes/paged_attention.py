@@ -70,12 +70,13 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,1024,4096,8192")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--bits", default="16,8,4", help="KV formats to time (comma-separated)")
     args = ap.parse_args()
     heads, kv_heads, d = SHAPES[args.shape]
     print(f"{args.shape}: {heads} heads, {kv_heads} kv heads, head_dim {d}; {torch.cuda.get_device_name()}")
     print(f"{'batch':>5} {'ctx':>6} {'kv':>4} {'config':>26} {'µs':>9} {'GB/s':>7}")
     for batch, ctx in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
-        for bits in (16, 8, 4):
+        for bits in map(int, args.bits.split(",")):
             q, cache, tables, lens, k = setup(args.shape, batch, ctx, bits, args.max_model_len)
             read = batch * ctx * PagedKV.bytes_per_token(kv_heads, d, bits, torch.float16)
             configs = [dict()]
