@@ -4,7 +4,7 @@
 
 --tune first times every candidate kernel configuration (bench/lib/kernel_candidates.py) summed over the
 four shapes, per M, and installs the fastest as the dispatch table (written to DIR/table.json, then
-copied into quantkit/kernels/dispatch.py). The benchmark proper goes through dispatch.run with the
+copied into quantkit/kernels/dispatch_table.py). The benchmark proper goes through dispatch.run with the
 layout and kernel choice the runtime gives such a layer (on CUDA the mma layout and
 dispatch.mma_choice; --block-planar times the block-planar kernels and their table instead). Times
 are medians over CUDA-graph replays, every call on a different weight buffer of a ring several times
@@ -187,7 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--table", default=None, help="a dispatch table JSON to use instead of the built-in one")
+    ap.add_argument("--table", default=None, help="a dispatch table JSON whose rows replace the built-in ones")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values for W4")
     ap.add_argument("--w8-ms", default=",".join(map(str, W8_MS)), help="M values for W8")
     ap.add_argument("--block-planar", action="store_true",

@@ -61,7 +61,8 @@ def candidates(bits: int, m: int) -> list[dispatch.Choice]:
 
 
 def tune(ms, w8_ms, log_path: Path) -> dict:
-    """Time the candidates; return the dispatch table (bits → [(largest M, choice as a dict)])."""
+    """Time the candidates; return the dispatch table's block-planar rows ("w{bits} block-planar" → [(largest M,
+    choice as a dict)]), the format dispatch.use_table takes."""
     log = open(log_path, "w")
     table: dict = {}
     for bits, bit_ms in ((4, ms), (8, w8_ms)):
@@ -91,7 +92,7 @@ def tune(ms, w8_ms, log_path: Path) -> dict:
             print(f"tune W{bits} M={m}: {best.method} {best.params} programs={best.programs} total {best_us:.1f} us", flush=True)
             rows.append([m, best.__dict__])
         rows[-1][0] = 1 << 30
-        table[str(bits)] = rows
+        table[f"w{bits} block-planar"] = rows
         del rings
         torch.cuda.empty_cache()
     log.close()

@@ -7,8 +7,8 @@ First a correctness check of every configuration (K × N = 4096 × 1000, 4096 ×
 variants) against the fp32 reference on NaN-poisoned outputs, printed per configuration; then, per
 Llama-2-7B shape and M: fp16 F.linear, the dispatch's choice, torch's and the Triton permutation of x
 alone, and each configuration of SMALL (M ≤ 64) or LARGE (M ≥ 96) (BM, ring slots, weight rows per
-program, split-K), CUDA-graph medians over a ring of weights. `dispatch.gluon_choice` was set from this
-script's output (runs 57–58, 61–62; bench/KERNELS_NOTES.md items 54–63). `--launch LABEL` only launches one configuration, for Nsight
+program, split-K), CUDA-graph medians over a ring of weights. The Gluon rows of
+quantkit/kernels/dispatch_table.py were set from this script's output (runs 57–58, 61–62; bench/KERNELS_NOTES.md items 54–63). `--launch LABEL` only launches one configuration, for Nsight
 Compute (bench/probes/gluon_profile.sh).
 
 The shared-memory-A form (dequantized weights stored to a shared-memory A tile, x unpermuted; run 61,
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check (timings only)")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8),
                     help="weight bits (8: per-channel scales in the timings, as bench/kernels.py; "
-                         "dispatch.gluon_choice8 was set from this at 8 bits, run 68)")
+                         "the W8 Gluon rows of kernels/dispatch_table.py were set from this, run 68)")
     ap.add_argument("--only", default=None, metavar="BM,SLOTS,ROWS,SPLIT;...",
                     help="check and time only these configurations (instead of SMALL / LARGE)")
     args = ap.parse_args()

@@ -32,7 +32,8 @@ order is the 4-bit one with the byte's high bit in place of i, so `permute_x` se
 8-bit block is [row half, chunk, g, t, 4 words] in memory, copied as a 3-D TMA box (`w_box`: a box is
 at most 256 wide, so a 2-D [rows / 16, 512] box would arrive as two copies one after the other, not
 row-major), viewed as [ROWS / 8, 2, 128] and relabelled to (row, word) without data movement; the
-dispatch takes it for 16 < M ≤ 512, to 1024 on wide layers (`dispatch.gluon_choice8`). The Gluon API is experimental: this module is
+dispatch takes it for 16 < M ≤ 512, to 1024 on wide layers (the W8 Gluon rows of kernels/dispatch_table.py).
+The Gluon API is experimental: this module is
 written against the Triton 3.6 and 3.9 spellings and reports itself unavailable where the import
 fails. Figures: BENCHMARKS.md ("Kernels"); the variants tried: bench/KERNELS_NOTES.md.
 """

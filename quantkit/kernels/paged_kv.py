@@ -33,6 +33,7 @@ from torch import Tensor
 
 from quantkit.config import UserError
 from quantkit.kernels.hardware import runs_triton
+from quantkit.kernels.kv_rotation import KVRotation, pool_rotation
 
 # (query_start, context_lens) of a prefill step as host lists: what its per-sequence loops read
 HostLens = tuple[list[int], list[int]]
@@ -57,14 +58,20 @@ class PagedKV:
     # Static per-head codes (bits 8/4): (k_scale fp16 [kv_heads], k_zero uint8, v_scale, v_zero) that every
     # write uses instead of the token's own range; None: online.
     static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
+    # K and V are stored rotated by a block-Hadamard matrix (kernels/kv_rotation.py), which Attention applies
+    # to q, k, v and undoes on its output; the kernels read and write the pool unchanged. None: unrotated.
+    rotation: Optional[KVRotation] = None
 
     @staticmethod
     def allocate(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, bits: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None) -> "PagedKV":
+                 static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None,
+                 rotation: Optional[str] = None) -> "PagedKV":
         """A zeroed pool (zeros, so that a slot never written holds finite numbers). `static`: the
-        per-head (k_scale, k_zero, v_scale, v_zero) of `static_scales`, for bits 8/4 only."""
+        per-head (k_scale, k_zero, v_scale, v_zero) of `static_scales`, for bits 8/4 only. `rotation`:
+        "hadamard", "none", or "auto"/None (hadamard for bits 4 with online scales)."""
         check_bits(bits, head_dim)
+        rotate = pool_rotation(rotation, bits, static is not None, head_dim, dtype, device)
         if static is not None:
             if bits == 16:
                 raise UserError("static KV scales apply to kv_bits 8 or 4, not 16")
@@ -80,11 +87,11 @@ class PagedKV:
             return torch.zeros(*shape, code_dim, dtype=code_dtype, device=device)
 
         if bits == 16:
-            return PagedKV(codes(), codes(), None, None, None, None, 16)
+            return PagedKV(codes(), codes(), None, None, None, None, 16, rotation=rotate)
         per_head = (num_blocks, kv_heads, block_size)
         scale = lambda: torch.zeros(per_head, dtype=torch.float16, device=device)  # noqa: E731
         zero = lambda: torch.zeros(per_head, dtype=torch.uint8, device=device)  # noqa: E731
-        return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits, static)
+        return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits, static, rotate)
 
     @staticmethod
     def bytes_per_token(kv_heads: int, head_dim: int, bits: int, dtype: torch.dtype) -> int:

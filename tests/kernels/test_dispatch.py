@@ -1,112 +1,232 @@
-"""The dispatch's choices between layouts and kernels (the kernels themselves: test_triton_*.py)."""
+"""The dispatch: every kernel its table can choose computes the linear, and the rule that picks from the
+table (the kernels alone: test_triton_*.py; on the GPU: tests/gpu/test_gpu_kernels.py)."""
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
+
+import pytest
 import torch
+import torch.nn.functional as F
+from kernel_oracles import packed_layer
 from mma_layers import random_layer
 
+from quantkit.config import UserError
 from quantkit.kernels import capture, dispatch
 from quantkit.kernels.triton_layout import KernelWeights
 
-
-def test_mma_choice_by_rows_of_x():
-    for bits in (4, 8):
-        for n in (4096, 12288, 22016):
-            for m in (1, 16, 64):
-                c = dispatch.mma_choice(bits, m, n)
-                assert c.method == "mma"  # one launch per 64 rows of x
-            assert dispatch.mma_choice(bits, 65, n).method == "dequant+cublas"
-    # narrow layers (few 16-row tiles per SM) get 8-warp programs at small M; the widest, small ones
-    assert dispatch.mma_choice(4, 1, 4096).params["num_warps"] == 8
-    assert dispatch.mma_choice(4, 1, 12288).params["num_warps"] == 4
-    assert dispatch.mma_choice(4, 1, 22016).params["num_warps"] == 2
+MS = range(1, 2049)
+LLAMA2_7B = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}  # n, k
 
 
-def test_mma_choice_row_tiles_and_pdl():
-    # M = 32 on qkv-wide layers: two row tiles per warp under a 168-register budget (12 warps per SM)
-    p = dispatch.mma_choice(4, 32, 12288).params
-    assert p["rows"] == 2 and p["maxnreg"] == 168
-    # PDL only where it measured faster, and never when the GPU (or QUANTKIT_PDL) rules it out
-    assert dispatch.mma_choice(4, 1, 12288, pdl=True).params.get("pdl")
-    assert not dispatch.mma_choice(4, 1, 22016, pdl=True).params.get("pdl")  # gate_up's 2-warp programs
-    for m in (1, 8, 16, 32, 64):
-        for n in (4096, 12288, 22016):
-            assert not dispatch.mma_choice(8, m, n, pdl=False).params.get("pdl")
+def key_parts(key: str) -> tuple[int, str]:
+    bits, cls = key.split(" ", 1)
+    return int(bits[1:]), cls
 
 
-def test_gluon_choice_by_shape_and_rows_of_x():
-    qkv, o, gate_up, down = (4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)
-    for k, n in (qkv, o, gate_up, down):
-        for m in (1, 16, 1025):  # the GEMV below, dequantize + cuBLAS above
-            assert dispatch.gluon_choice(m, n, k) is None
-        assert dispatch.gluon_choice(512, n, k).params == dict(bm=256, stages=3, rows=64)
-        # above 512 only the wide layer keeps the GEMM
-        assert (dispatch.gluon_choice(1024, n, k) is None) == (n != gate_up[1])
-    assert dispatch.gluon_choice(32, gate_up[1], 4096).params == dict(bm=32, stages=6, rows=64)
-    assert dispatch.gluon_choice(32, qkv[1], 4096) is None
-    assert dispatch.gluon_choice(32, o[1], o[0]).params == dict(bm=32, stages=6, rows=64, split=2)
-    assert dispatch.gluon_choice(64, down[1], down[0]).params["split"] == 4  # narrow, long K: split deeper
-    assert dispatch.gluon_choice(64, o[1], o[0]).params == dict(bm=64, stages=4, rows=64, split=2)
-    assert dispatch.gluon_choice(64, qkv[1], 4096).params == dict(bm=64, stages=4, rows=64)
-    assert dispatch.gluon_choice(64, gate_up[1], 4096).params["stages"] == 3
-    assert dispatch.gluon_choice(96, qkv[1], 4096).params == dict(bm=128, stages=4, rows=128)
-    assert dispatch.gluon_choice(96, gate_up[1], 4096).params == dict(bm=64, stages=4, rows=128)
-    assert dispatch.gluon_choice(128, down[1], down[0]).params == dict(bm=128, stages=3, rows=64, split=2)
-    assert dispatch.gluon_choice(128, o[1], o[0]).params == dict(bm=64, stages=4, rows=64)
-    assert dispatch.gluon_choice(256, qkv[1], 4096).params == dict(bm=128, stages=2, rows=64)
-    assert dispatch.gluon_choice(200, gate_up[1], 4096).params == dict(bm=256, stages=3, rows=64)
-    assert dispatch.gluon_choice(513, qkv[1], 4096) is None  # dequantize + cuBLAS
+def picked(key: str, gluon: bool) -> dict[int, list[int]]:
+    """{row index: the Ms of MS at which `choose` picks that row of TABLE[key]}."""
+    bits, cls = key_parts(key)
+    rows = dispatch.TABLE[key]
+    out = defaultdict(list)
+    for m in MS:
+        c = dispatch.choose(bits, m, cls, gluon)
+        out[next(i for i, (_, row) in enumerate(rows) if row is c)].append(m)
+    return out
 
 
-def test_gluon_choice_for_8bit_weights():
-    qkv, o, gate_up, down = (4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)
-    for k, n in (qkv, o, gate_up, down):
-        for m in (1, 16, 1025):  # the GEMV below, dequantize + cuBLAS above (runs 68, 70, 72)
-            assert dispatch.gluon_choice(m, n, k, bits=8) is None
-        assert (dispatch.gluon_choice(1024, n, k, bits=8) is None) == (n != gate_up[1])
-        assert dispatch.gluon_choice(512, n, k, bits=8).params == dict(bm=256, stages=3, rows=64)
-    assert dispatch.gluon_choice(32, gate_up[1], 4096, bits=8).params == dict(bm=32, stages=4, rows=64)
-    assert dispatch.gluon_choice(32, qkv[1], 4096, bits=8).params == dict(bm=32, stages=6, rows=64)  # W4: the GEMV
-    assert dispatch.gluon_choice(64, down[1], down[0], bits=8).params == dict(bm=64, stages=4, rows=64, split=4)
-    assert dispatch.gluon_choice(100, o[1], o[0], bits=8).params == dict(bm=128, stages=3, rows=64, split=2)
-    assert dispatch.gluon_choice(256, down[1], down[0], bits=8).params == dict(bm=128, stages=3, rows=64)
-    assert dispatch.gluon_choice(128, qkv[1], 4096, bits=8).params == dict(bm=64, stages=3, rows=64)
-    assert dispatch.gluon_choice(200, gate_up[1], 4096, bits=8).params == dict(bm=256, stages=3, rows=64)
-    assert dispatch.gluon_choice(100, gate_up[1], 4096, bits=8).params == dict(bm=128, stages=4, rows=128)
-    # W4 differs at the same M (its own table)
-    assert dispatch.gluon_choice(256, qkv[1], 4096).params == dict(bm=128, stages=2, rows=64)
-    assert dispatch.gluon_choice(256, qkv[1], 4096, bits=8).params == dict(bm=256, stages=3, rows=64)
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def test_mma_choice_takes_the_gluon_gemm_only_when_supported():
-    assert dispatch.mma_choice(4, 64, 12288, k=4096, gluon=True).method == "gluon"
-    assert dispatch.mma_choice(4, 64, 12288, k=4096, gluon=False).method == "mma"
-    assert dispatch.mma_choice(4, 100, 12288, k=4096, gluon=False).method == "dequant+cublas"
-    assert dispatch.mma_choice(8, 16, 12288, k=4096, gluon=True).method == "mma"  # W8: the GEMV to M = 16
-    assert dispatch.mma_choice(8, 17, 12288, k=4096, gluon=True).method == "gluon"
-    # on the CPU the layer never gets it
-    mw = random_layer(16, 256)[0]
-    assert dispatch.choice_for(mw, 64, torch.device("cpu")).method == "mma"
+@pytest.fixture
+def table(monkeypatch):
+    """The table as it was, back after the test; QUANTKIT_DISPATCH_TABLE read afresh."""
+    saved = {key: list(rows) for key, rows in dispatch.TABLE.items()}
+    monkeypatch.setattr(dispatch, "_loaded", {})
+    monkeypatch.delenv("QUANTKIT_DISPATCH_TABLE", raising=False)
+    yield dispatch.TABLE
+    dispatch.TABLE.clear()
+    dispatch.TABLE.update(saved)
 
 
-def test_choice_for_leaves_eager_small_m_to_the_gemv(monkeypatch):
-    # where the Gluon GEMM could run: from a CUDA graph it takes M = 64; eagerly (its host cost) the
-    # GEMV does, up to EAGER_GEMV_MAX_M; above that the GEMM either way; QUANTKIT_GLUON=0 turns it off
+def test_rows_are_sorted_and_the_last_covers_every_m():
+    for key, rows in dispatch.TABLE.items():
+        bits, cls = key_parts(key)
+        assert [b for b, _ in rows] == sorted(b for b, _ in rows), key
+        for gluon in (False, True):
+            assert dispatch.choose(bits, 10**9, cls, gluon) is rows[-1][1], key
+
+
+def test_the_first_allowed_row_whose_bound_holds_m_is_picked_and_every_row_is_reachable():
+    for key, rows in dispatch.TABLE.items():
+        reached = set()
+        for gluon in (False, True):
+            for i, ms in picked(key, gluon).items():
+                reached.add(i)
+                assert gluon or rows[i][1].method != "gluon", key
+                earlier = [b for b, c in rows[:i] if gluon or c.method != "gluon"]
+                assert all(m <= rows[i][0] and all(b < m for b in earlier) for m in ms), (key, i)
+        assert reached == set(range(len(rows))), (key, set(range(len(rows))) - reached)
+
+
+def test_the_choice_depends_on_the_width_class_and_m_only():
+    for sms in (4, 108, 132):
+        for bits in (4, 8):
+            first: dict[str, list] = {}
+            for n in (16, 1000, 4096, 4240, 12288, 12688, 22016, 28672):
+                for k in (2048, 8192, 8200, 14336):
+                    choices = [dispatch.mma_choice(bits, m, n, sms, True, k, gluon)
+                               for m in range(1, 1100) for gluon in (False, True)]
+                    assert first.setdefault(dispatch.width_class(n, k, sms), choices) == choices, (sms, bits, n, k)
+
+
+def test_the_llama2_7b_linears_fall_in_the_classes_they_were_measured_for():
+    classes = {name: dispatch.width_class(n, k, 132) for name, (n, k) in LLAMA2_7B.items()}
+    assert classes == {"qkv": "mid", "o": "narrow", "gate_up": "wide", "down": "narrow-long-k"}
+    # wider layers never fall in a narrower class
+    order = ["narrow", "mid", "wide"]
+    for sms in (4, 108, 132):
+        seen = [order.index(dispatch.width_class(n, 4096, sms).replace("-long-k", "")) for n in range(16, 40000, 16)]
+        assert seen == sorted(seen)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_block_planar_choice_computes_the_linear(triton_interpreter, bits):
+    """dispatch.run with each block-planar row, at the first and last M it is picked for, equals
+    dequantize + F.linear (the GEMV and GEMM split K as the CPU's 4 "SMs" ask)."""
+    g = torch.Generator().manual_seed(bits)
+    n, k, gsz = 40, 256, 64 if bits == 4 else 256
+    q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.int32)
+    z = torch.randint(1, 2**bits - 1, (n, k // gsz), generator=g, dtype=torch.int32)
+    s = (torch.rand(n, k // gsz, generator=g) * 0.02 + 0.002).half()
+    kw, w = packed_layer(q, z, s, bits, gsz, "awq" if bits == 4 else "packed", False)
+    bias = torch.randn(n, generator=g).half()
+    key = f"w{bits} block-planar"
+    methods = set()
+    for i, ms in picked(key, False).items():
+        choice = dispatch.TABLE[key][i][1]
+        for m in {ms[0], min(ms[-1], 70)}:
+            x = torch.randn(m, k, generator=g).half()
+            assert dispatch.choose(bits, m) is choice
+            err = rel(dispatch.run(x, kw, bias, choice), F.linear(x.float(), w.float(), bias.float()))
+            assert err < 1e-2, (choice, m, err)
+        methods.add(choice.method)
+    assert methods == {"gemv", "gemm", "dequant+cublas"}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_mma_layout_choice_computes_the_linear(mma_asm, bits):
+    """dispatch.run with each mma-GEMV and dequantize row of the mma layout (its parameters as the table
+    gives them, PDL included), at the first M it is picked for, equals dequantize + F.linear; the GEMV's
+    inline PTX runs in the PTX interpreter. (The Gluon GEMM needs a Hopper GPU: tests/gpu.)"""
+    mw, _, w, g = random_layer(24, 256, bits, 128, seed=bits)  # two row tiles: one program of two, or two
+    bias = torch.randn(24, generator=g).half()
+    done = []
+    for key in [key for key in dispatch.TABLE if key.startswith(f"w{bits} ") and "block-planar" not in key]:
+        for i, ms in picked(key, False).items():
+            choice = dispatch.TABLE[key][i][1]
+            if choice in done:
+                continue
+            done.append(choice)
+            x = torch.randn(ms[0], 256, generator=g).half()
+            mma_asm(x, mw.qweight)
+            err = rel(dispatch.run(x, mw, bias, choice), F.linear(x.float(), w, bias.float()))
+            assert err < 1e-2, (key, choice, ms[0], err)
+    assert {c.method for c in done} == {"mma", "dequant+cublas"}
+
+
+def test_eager_calls_leave_small_m_to_the_gemv(monkeypatch):
+    """Where the Gluon GEMM could run (here pretended): eager calls with M ≤ EAGER_GEMV_MAX_M never take it,
+    graphed ones do where the table says; above that bound both choose alike; QUANTKIT_GLUON=0 turns it off."""
     monkeypatch.setattr(dispatch.gluon_gemm, "supports", lambda kw, dtype, device: True)
-    monkeypatch.setattr(dispatch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(dispatch, "_sm_count", lambda device: 1)  # 16-row tiles per SM = row tiles
+    monkeypatch.setattr(dispatch, "_has_pdl", lambda device: True)  # the table's rows as they are
     monkeypatch.delenv("QUANTKIT_GLUON", raising=False)
-    mw = random_layer(12288, 256)[0]
+    cpu, cut = torch.device("cpu"), dispatch.EAGER_GEMV_MAX_M
+    graphed_gluon = set()
+    for n, k, cls in ((24, 256, "narrow"), (24, 8320, "narrow-long-k"), (64, 256, "mid"), (128, 256, "wide")):
+        mw = random_layer(n, k)[0]
+        assert dispatch.width_class(n, k, 1) == cls
+        for m in range(1, 1100):
+            eager, graphed = (dispatch.choice_for(mw, m, cpu, graphed=flag) for flag in (False, True))
+            assert graphed == dispatch.choose(4, m, cls, gluon=True)
+            if m <= cut:
+                assert eager.method != "gluon" and eager == dispatch.choose(4, m, cls), (cls, m)
+                if graphed.method == "gluon":
+                    graphed_gluon.add(cls)
+            else:
+                assert eager == graphed, (cls, m)
+        with capture.graph_warmup():  # the warm-up before a capture launches what the capture will
+            assert dispatch.choice_for(mw, cut, cpu) == dispatch.choice_for(mw, cut, cpu, graphed=True)
+        monkeypatch.setenv("QUANTKIT_GLUON", "0")
+        assert all(dispatch.choice_for(mw, m, cpu, graphed=True).method != "gluon" for m in range(1, 1100))
+        monkeypatch.delenv("QUANTKIT_GLUON")
+    assert graphed_gluon == {"narrow", "narrow-long-k", "mid", "wide"}  # the eager rule did change something
+
+
+def test_pdl_parameters_only_where_the_gpu_launches_with_pdl():
+    for key in dispatch.TABLE:
+        bits, cls = key_parts(key)
+        if cls == "block-planar":
+            continue
+        n, k = {"narrow": (16, 256), "narrow-long-k": (16, 8320), "mid": (64, 256), "wide": (128, 256)}[cls]
+        for m in MS:
+            on, off = (dispatch.mma_choice(bits, m, n, 1, pdl, k) for pdl in (True, False))
+            assert on == dispatch.choose(bits, m, cls)
+            assert "pdl" not in off.params and "prefetch" not in off.params
+            assert (off.method, off.params) == (on.method, {p: v for p, v in on.params.items()
+                                                            if p not in ("pdl", "prefetch")})
+
+
+def test_pdl_is_opt_in(monkeypatch):
+    monkeypatch.delenv("QUANTKIT_PDL", raising=False)
+    assert not dispatch._has_pdl(torch.device("cpu"))
+    monkeypatch.setenv("QUANTKIT_PDL", "1")
+    assert not dispatch._has_pdl(torch.device("cpu"))  # no CUDA device: never
+
+
+def test_a_table_file_replaces_the_rows_it_names(triton_interpreter, table, tmp_path, monkeypatch):
+    path = tmp_path / "table.json"
+    gemv = {"method": "gemv", "params": {"block_n": 16, "blocks": 2, "num_warps": 4, "num_stages": 1}}
+    path.write_text(json.dumps({"w4 block-planar": [[3, gemv], [1 << 30, {"method": "dequant+cublas"}]]}))
+    mid = list(table["w4 mid"])
+    monkeypatch.setenv("QUANTKIT_DISPATCH_TABLE", str(path))
+    assert [dispatch.choose(4, m).method for m in (1, 3, 4)] == ["gemv", "gemv", "dequant+cublas"]
+    assert table["w4 mid"] == mid  # the classes the file does not name keep their rows
+    kw, w = packed_layer(torch.randint(0, 16, (24, 128), dtype=torch.int32),
+                         torch.randint(0, 16, (24, 1), dtype=torch.int32),
+                         (torch.rand(24, 1) * 0.02 + 0.002).half(), 4, 128, "awq", False)
+    x = torch.randn(3, 128).half()
+    assert rel(dispatch.run(x, kw, None, dispatch.choose(4, 3)), x.float() @ w.float().t()) < 1e-2
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "cannot read it as JSON"),
+    ('[[1, {"method": "gemv"}]]', "expected an object"),
+    ('{"4": [[1, {"method": "dequant+cublas"}]]}', "unknown class '4'"),
+    ('{"w4 block-planar": [[1, {"method": "dequant+cublas", "tiles": 2}]]}', "must hold rows"),
+    ('{"w4 block-planar": [[9, {"method": "gemv"}], [1, {"method": "dequant+cublas"}]]}', "sorted by M"),
+    ('{"w4 mid": [[1, {"method": "dequant+cublas"}], [9, {"method": "gluon"}]]}', 'not "gluon"'),
+    ('{"w4 mid": [[1, {"method": "gemv"}]]}', "use only"),
+])
+def test_a_malformed_table_file_gets_a_one_line_error(table, tmp_path, monkeypatch, text, says):
+    path = tmp_path / "table.json"
+    path.write_text(text)
+    monkeypatch.setenv("QUANTKIT_DISPATCH_TABLE", str(path))
+    before = {key: list(rows) for key, rows in table.items()}
+    with pytest.raises(UserError) as err:
+        dispatch.choose(4, 1)
+    assert says in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+    assert table == before
+
+
+def test_cpu_layers_never_get_the_gluon_gemm(triton_interpreter):
+    mw = random_layer(16, 256)[0]
     cpu = torch.device("cpu")
-    assert not dispatch.capturing(cpu)
-    assert dispatch.choice_for(mw, 64, cpu, graphed=True).method == "gluon"
-    assert dispatch.choice_for(mw, 64, cpu, graphed=False).method == "mma"
-    assert dispatch.choice_for(mw, 64, cpu).method == "mma"  # not capturing: eager
-    assert dispatch.choice_for(mw, dispatch.EAGER_GEMV_MAX_M + 1, cpu, graphed=False).method == "gluon"
-    with capture.graph_warmup():  # the warm-up before a capture launches what the capture will
-        assert dispatch.choice_for(mw, 64, cpu).method == "gluon"
-    monkeypatch.setenv("QUANTKIT_GLUON", "0")
-    assert dispatch.choice_for(mw, 64, cpu, graphed=True).method == "mma"
-    assert dispatch.choice_for(mw, 200, cpu, graphed=True).method == "dequant+cublas"
+    assert all(dispatch.choice_for(mw, m, cpu, graphed=g).method != "gluon" for m in range(1, 1100) for g in (0, 1))
 
 
 def test_run_falls_back_from_a_gluon_choice(triton_interpreter):
@@ -132,25 +252,7 @@ def test_run_falls_back_when_the_gluon_gemm_declines(triton_interpreter, monkeyp
     assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
 
 
-def test_pdl_is_opt_in(monkeypatch):
-    monkeypatch.delenv("QUANTKIT_PDL", raising=False)
-    assert not dispatch._has_pdl(torch.device("cpu"))
-    monkeypatch.setenv("QUANTKIT_PDL", "1")
-    assert not dispatch._has_pdl(torch.device("cpu"))  # no CUDA device: never
-
-
-def test_run_mma_layout_dequantize_path(triton_interpreter):
-    mw, _, w, g = random_layer(40, 256, seed=0)
-    x = torch.randn(70, 256, generator=g).half()  # above 64 rows: dequantize + cuBLAS
-    bias = torch.randn(40, generator=g).half()
-    ref = x.float() @ w.t() + bias.float()
-    choice = dispatch.choice_for(mw, x.shape[0], x.device)
-    assert choice.method == "dequant+cublas"
-    out = dispatch.run(x, mw, bias, choice)
-    assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
-
-
-def test_cpu_layers_keep_the_block_planar_layout(monkeypatch):
+def test_cpu_layers_keep_the_block_planar_layout():
     from quantkit.nn import QuantLinear
 
     layer = QuantLinear(128, 32, 4, 128, layout="packed")

@@ -157,8 +157,8 @@ def test_dispatch_table_can_be_replaced():
 
     saved = {b: list(rows) for b, rows in dispatch.TABLE.items()}
     try:
-        dispatch.use_table({"4": [[1, {"method": "gemv", "params": {"block_n": 16, "blocks": 2, "num_warps": 4}}],
-                                  [1 << 30, {"method": "dequant+cublas"}]]})
+        gemv = {"method": "gemv", "params": {"block_n": 16, "blocks": 2, "num_warps": 4}}
+        dispatch.use_table({"w4 block-planar": [[1, gemv], [1 << 30, {"method": "dequant+cublas"}]]})
         assert dispatch.choose(4, 1).method == "gemv"
         assert dispatch.choose(4, 2).method == "dequant+cublas"
         kw, ref_fn = make_weights(4, 32, "awq", False, 128, 24)
