@@ -150,21 +150,3 @@ def test_checkpoint_tensors_offloaded_once_repacked(monkeypatch):
     assert rel(layer(x), ref) <= TOL
     monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
     assert torch.equal(layer(x), ref)  # the reference path still reads the (offloaded) checkpoint tensors
-
-
-def test_dispatch_table_can_be_replaced():
-    from quantkit.kernels import dispatch
-
-    saved = {b: list(rows) for b, rows in dispatch.TABLE.items()}
-    try:
-        gemv = {"method": "gemv", "params": {"block_n": 16, "blocks": 2, "num_warps": 4}}
-        dispatch.use_table({"w4 block-planar": [[1, gemv], [1 << 30, {"method": "dequant+cublas"}]]})
-        assert dispatch.choose(4, 1).method == "gemv"
-        assert dispatch.choose(4, 2).method == "dequant+cublas"
-        kw, ref_fn = make_weights(4, 32, "awq", False, 128, 24)
-        x = torch.randn(4, 128).half()
-        assert rel(dispatch.run(x, kw, None, dispatch.choose(4, 4)), ref_fn(x)) <= TOL
-    finally:
-        dispatch.TABLE.clear()
-        dispatch.TABLE.update(saved)
-
