@@ -65,11 +65,20 @@ if has throughput; then
 fi
 if has seed; then
   stamp seed
-  timeout 420 python -m bench.latency --seed-table --out "$out"/seed.json 2>&1 | grep -v "it/s" | tail -14
+  timeout 280 python -m bench.latency --seed-table --out "$out"/seed.json 2>&1 | grep -v "it/s" | tail -14
 fi
 if has kv8sweep; then
   stamp kv8sweep
   timeout 150 python bench/probes/paged_attention.py --shape llama2-7b --batches 32 --contexts 4096 --bits 8 \
     --max-model-len 4096 --sweep 2>&1 | tail -40
+fi
+if has c64ab; then
+  stamp c64ab
+  timeout 120 python -m bench.probes.throughput_profile --weights w4 --budgets 2048 --graph-max-tokens 0,2048 \
+    --concurrency 64 --passes 1 --out "$out"/c64ab_w4.json 2>&1 | grep "==\|KV pool"
+fi
+if has kerneltests; then
+  stamp kerneltests
+  timeout 90 python -m pytest -q -m gpu tests/gpu/test_gpu_kernels.py -x 2>&1 | tail -4
 fi
 stamp done

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import time
 from pathlib import Path
@@ -182,6 +183,7 @@ def main() -> None:
                                       max_model_len=args.input_len + args.output_len + 1 if offline else None,
                                       max_num_batched_tokens=budget, graph_max_tokens=pieces)
                 vocab = engine.model.config.vocab_size
+                print(f"KV pool: {engine.runner.num_blocks * engine.config.block_size} tokens", flush=True)
                 for level in levels:
                     n = args.num_prompts if level == 0 else max(4 * level, 16)
                     for p in range(args.passes):
@@ -202,6 +204,7 @@ def main() -> None:
                                             mean_tpot_ms=round(result["mean_tpot_ms"], 3),
                                             steps=by_kind(result["rows"])))
                 del engine
+                gc.collect()  # the timing wrappers make cycles: free this engine's KV pool before the next one's
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     if args.out:
