@@ -106,9 +106,10 @@ def quantize(
     """Quantize a model (path, `LoadedModel` or transformers model + `tokenizer`) under `config`.
 
     `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN and int8
-    need none. With `work_dir` the packed checkpoint is written there (atomically). KV-cache
-    statistics (quantkit/kv_stats.safetensors) are written from AWQ's calibration windows, or from
-    `kv_calib` (same forms as `calib`) for any method, measured on the quantized blocks.
+    need none (RTN with `awq.rounding="learned"` does). With `work_dir` the packed checkpoint is
+    written there (atomically). KV-cache statistics (quantkit/kv_stats.safetensors) are written from
+    the calibration windows, or from `kv_calib` (same forms as `calib`) for any method, measured on
+    the quantized blocks.
 
     One pass, block by block (stream.py): a model given as a path has each decoder block read from
     its files when its turn comes and released once packed, so the host holds the embeddings, one
@@ -118,7 +119,7 @@ def quantize(
     """
     if work_dir is not None:
         check_work_dir(Path(work_dir), overwrite)
-    if config.method == "awq":  # missing, empty or too short text: refused before the model loads
+    if config.calibrated:  # missing, empty or too short text: refused before the model loads
         check_calibration(calib, config.calib)
     t0 = time.perf_counter()
     loaded = _load(model_or_path, tokenizer)
@@ -129,7 +130,7 @@ def quantize(
     t1 = time.perf_counter()
     windows = kv_windows = None
     report["calibration"] = None
-    if config.method == "awq":
+    if config.calibrated:
         windows, report["calibration"] = resolve_calibration(loaded, config, calib)
     if work_dir is not None:
         if kv_calib is not None:

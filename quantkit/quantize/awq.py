@@ -5,7 +5,8 @@ statistics (mean |x| and Gram matrices for each set of linears sharing an input)
 modules' inputs on the search windows; then per registry group: search scales, fold them; then per
 linear (finalize.py): search the clip range, choose the integers (nearest, or error feedback through
 the Gram matrix: `rounding="gptq"`, the default), and put the dequantized weight back, so the
-in-memory model computes what the checkpoint holds. `awq_blocks` then hands the block to its caller
+in-memory model computes what the checkpoint holds; with `rounding="learned"` the block's rounding
+and clip ranges are then learned against the fp block's outputs (learned.py). `awq_blocks` then hands the block to its caller
 (stream.py packs it there, on the device) and, once asked for the next one, propagates and releases
 it (`BlockWeights`: back to the host, or dropped when it was read from the checkpoint's files for
 this pass). The block's outputs become the next block's inputs.
@@ -33,6 +34,7 @@ from quantkit.models.registry import ArchSpec, ScaleGroup
 from quantkit.quantize.calibration import InputStats, call_layer, call_module, capture_inputs, gather_block
 from quantkit.quantize.finalize import finalize_block
 from quantkit.quantize.folding import fold_scales, head_tying, identity, output_channels
+from quantkit.quantize.learned import learn_block, learn_progress, start_config
 from quantkit.quantize.primitives import QuantizedWeight
 from quantkit.quantize.rtn import QuantizedBlock, check_group_size, decoder_layers
 from quantkit.quantize.search import candidate_scales, search_scales, weight_magnitude
@@ -180,6 +182,10 @@ def awq_blocks(
     check_group_size(model, spec, config.weight)
     blocks = blocks or BlockWeights()
     awq = config.awq
+    # `rounding="learned"` (learned.py) starts from the codes of `start`; RTN's learned rounding runs
+    # this same pass with the scale and clip searches off.
+    learn, search = awq.rounding == "learned", config.method == "awq"
+    start = start_config(config) if learn else config
     device = resolve_device(config.device)
     act_dtype = activation_dtype(device)
     fwd = _compute(device, awq.cpu_bf16)
@@ -196,13 +202,13 @@ def awq_blocks(
         "rounding": awq.rounding, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
         "blocks": [], "fallbacks": [],
     }
-    report["awq"] = info
+    report[config.method] = info
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with phases("capture"):
         inputs = capture_inputs(model, spec, windows, batch, device, act_dtype)
     layers = decoder_layers(model, spec)
-    bar = tqdm(layers, desc=f"AWQ W{config.weight.bits}", disable=not progress, unit="block")
+    bar = tqdm(layers, desc=f"{config.method.upper()} W{config.weight.bits}", disable=not progress, unit="block")
     for index, layer in enumerate(bar):
         prefix = f"{spec.layers_path}.{index}"
         with phases("load"):
@@ -210,25 +216,39 @@ def awq_blocks(
         store_dtype = next(layer.parameters()).dtype
         with phases("transfer"):
             layer.to(device=device, dtype=act_dtype)
-        stats = _empty_stats(layer, spec, config, device)
+        stats = _empty_stats(layer, spec, start, device)
+        loss_modules = [g.loss_module for g in spec.groups] if search else []
         with phases("forward"):
-            fp_out, captured = gather_block(layer, inputs, index, stats, [g.loss_module for g in spec.groups],
-                                            n_search, fwd, keep_outputs=awq.propagate == "fp")
+            fp_out, captured = gather_block(layer, inputs, index, stats, loss_modules,
+                                            n_search, fwd, keep_outputs=awq.propagate == "fp" or learn)
         block: dict[str, Any] = {"index": index, "groups": []}
         with phases("search"):
-            for gi, group in enumerate(spec.groups):
+            for gi, group in enumerate(spec.groups if search else ()):
                 entry = _search_group(layer, group, stats[tuple(group.linears)], captured[gi], model.config,
                                       config, fwd, awq.gqa_scaling)
                 block["groups"].append(entry)
                 if entry["fallback"]:
                     info["fallbacks"].append(f"{prefix}: {group.prev} → {','.join(group.linears)}: {entry['fallback']}")
         del captured
+        rounded: Optional[dict[str, torch.Tensor]] = {} if learn else None  # what the start codes round
         with phases("clip+quantize"):
-            q, block["linears"] = finalize_block(layer, prefix, stats, config, lambda name: _clipped(spec, name))
+            q, block["linears"] = finalize_block(layer, prefix, stats, start, lambda name: _clipped(spec, name), rounded)
         del stats
+        outputs = None  # the block's outputs on its inputs, when learning computed them for the codes kept
+        if learn:
+            with phases("learn"):
+                q, block["learned"], outputs = learn_block(
+                    layer, prefix, rounded, q, list(inputs.batches(index)), fp_out, config.learn,
+                    fwd, seed=config.learn.seed + index, on_step=learn_progress(bar),
+                    keep_outputs=awq.propagate == "quantized")
+            del rounded
+            if awq.propagate != "fp":
+                fp_out = None  # the targets; only the fp propagation needs them further
         yield QuantizedBlock(index, prefix, layer, q)
         del q
-        if awq.propagate == "quantized":
+        if outputs is not None:
+            inputs.hidden, outputs = outputs, None
+        elif awq.propagate == "quantized":
             with phases("forward"), torch.no_grad():
                 # Each batch's input is replaced by its output as soon as it is computed: one copy lives.
                 for j, (hidden, kwargs) in enumerate(inputs.batches(index)):
@@ -246,6 +266,10 @@ def awq_blocks(
         log.info("block %d: search loss %.4g → %.4g (%s)", index, before, after,
                  ", ".join(f"{g['prev']}:{'RTN' if g['fallback'] else format(g['ratio'], '.2f')}" for g in block["groups"]))
         bar.set_postfix(loss=f"{before:.3g}→{after:.3g}")
+        if learn:
+            e = block["learned"]
+            log.info("block %d: output error %.4g → %.4g learned (%s kept)", index, e["loss_start"], e["loss_learned"],
+                     e["kept"])
         info["phases_s"] = {k: round(v, 3) for k, v in phases.seconds.items()}
     if device.type == "cuda":
         info["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3

@@ -8,7 +8,7 @@ the export packs them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -38,44 +38,62 @@ def nearest(w: torch.Tensor, stats: InputStats, cfg: QuantizeConfig, clip: bool)
 
 @torch.no_grad()
 def error_feedback(ws: list[torch.Tensor], qws: list[QuantizedWeight], stats: InputStats,
-                   entries: list[dict[str, Any]]) -> list[QuantizedWeight]:
+                   entries: list[dict[str, Any]], rounded: Optional[list[torch.Tensor]] = None) -> list[QuantizedWeight]:
     """GPTQ codes for linears sharing one input, in one pass over their stacked rows (rows are
-    independent given H, so stacking q, k, v or gate, up is exact and saves a column loop each)."""
+    independent given H, so stacking q, k, v or gate, up is exact and saves a column loop each).
+
+    `rounded`, when given, receives per linear the weights its codes are the nearest codes of: W with
+    the errors fed back where the GPTQ codes are kept, else W (learned rounding starts from them)."""
     first = qws[0]
+    updated = None if rounded is None else torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], device=ws[0].device)
     codes = gptq_codes(torch.cat(ws), stats.gram, torch.cat([q.scales for q in qws]),
-                       torch.cat([q.zeros for q in qws]), first.bits, first.group_size)
+                       torch.cat([q.zeros for q in qws]), first.bits, first.group_size, updated=updated)
     if codes is None:
         for e in entries:
             e["fallback"] = "Gram matrix not positive definite: nearest rounding"
+        if rounded is not None:
+            rounded.extend(ws)
         return qws
     out, row = [], 0
     for w, qw, entry in zip(ws, qws, entries):
-        candidate = QuantizedWeight(codes[row : row + w.shape[0]], qw.zeros, qw.scales, qw.bits, qw.group_size)
+        rows = slice(row, row + w.shape[0])
+        candidate = QuantizedWeight(codes[rows], qw.zeros, qw.scales, qw.bits, qw.group_size)
         row += w.shape[0]
         err_nearest = output_error(w, qw.dequantize(), stats.gram)
         err_gptq = output_error(w, candidate.dequantize(), stats.gram)
         entry.update(out_err_nearest=err_nearest, out_err_gptq=err_gptq)
         # The guard: error feedback keeps the codes only where it lowered the output error.
-        out.append(candidate if math.isfinite(err_gptq) and err_gptq < err_nearest else qw)
+        kept = math.isfinite(err_gptq) and err_gptq < err_nearest
+        out.append(candidate if kept else qw)
+        if rounded is not None:
+            rounded.append(updated[rows] if kept else w)
     return out
 
 
 @torch.no_grad()
 def finalize_block(layer: torch.nn.Module, prefix: str, sets_stats: dict[tuple[str, ...], InputStats],
-                   cfg: QuantizeConfig, clipped) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
-    """Quantize every linear of the block; `clipped(name)` says whether its clip range is searched."""
+                   cfg: QuantizeConfig, clipped, rounded: Optional[dict[str, torch.Tensor]] = None,
+                   ) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
+    """Quantize every linear of the block; `clipped(name)` says whether its clip range is searched.
+    `rounded`, when given, receives per linear (name in the block) the float32 weights whose nearest
+    codes the codes are: W, or W with GPTQ's errors fed back."""
     out: dict[str, QuantizedWeight] = {}
     report: dict[str, Any] = {}
     for names, stats in sets_stats.items():
         ws = [layer.get_submodule(n).weight.data.float() for n in names]
         results = [nearest(w, stats, cfg, cfg.awq.clip and clipped(n)) for w, n in zip(ws, names)]
         qws, entries = [r[0] for r in results], [r[1] for r in results]
+        anchors = None  # with `rounded`: the weights rounded, when error feedback changed them
         if cfg.awq.rounding == "gptq" and stats.full and not stats.nonfinite:
-            qws = error_feedback(ws, qws, stats, entries)
-        for name, w, qw, entry in zip(names, ws, qws, entries):
+            anchors = [] if rounded is not None else None
+            qws = error_feedback(ws, qws, stats, entries, anchors)
+        for name, w, qw, entry, anchor in zip(names, ws, qws, entries, anchors or ws):
             if not torch.isfinite(qw.dequantize()).all():  # never keep (or write) a non-finite weight
-                qw = quantize_weight(torch.nan_to_num(w), cfg.weight)
+                anchor = torch.nan_to_num(w)
+                qw = quantize_weight(anchor, cfg.weight)
                 entry["fallback"] = "non-finite weight: plain RTN of nan_to_num"
+            if rounded is not None:
+                rounded[name] = anchor.float()
             lin = layer.get_submodule(name)
             lin.weight.data = qw.dequantize().to(lin.weight.dtype)
             out[f"{prefix}.{name}"] = QuantizedWeight(qw.q.to(_codes_dtype(qw.bits)), qw.zeros, qw.scales,

@@ -105,11 +105,14 @@ def _graphed_columns(rows: int, cols: int, device: torch.device, qmax: int) -> _
 
 @torch.no_grad()
 def gptq_codes(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               bits: int, group_size: int, graphs: Optional[bool] = None) -> Optional[torch.Tensor]:
+               bits: int, group_size: int, graphs: Optional[bool] = None,
+               updated: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Integer codes [out, in] (int32) for W [out, in] under fixed per-group `scales`/`zeros` [out, groups].
 
     None when H cannot be factorised even with extra damping (the caller keeps nearest rounding).
     `graphs` (default: on CUDA) replays each block's column loop from a CUDA graph; same codes.
+    `updated` ([out, in] float32), when given, receives the weights as they were rounded: W with the
+    earlier columns' errors fed back, whose nearest codes are the codes returned.
     """
     w = w.float().clone()
     n = w.shape[1]
@@ -135,5 +138,7 @@ def gptq_codes(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, zer
             qb, errs = torch.empty_like(wb), torch.empty_like(wb)
             _round_columns(wb, qb, errs, ub, sb, zb, inv_diag, qmax)
         codes[:, b0:b1] = qb.to(torch.int32)
+        if updated is not None:  # err = (col − dequantized) / U[j, j]
+            updated[:, b0:b1] = (qb - zb) * sb + errs * torch.diag(ub)
         w[:, b1:] -= errs @ u[b0:b1, b1:]
     return codes

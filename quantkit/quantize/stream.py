@@ -51,8 +51,9 @@ def _return_freed_host_memory() -> None:
 class BlockPass:
     """The checkpoint's tensors of `loaded` under `config`, produced block by block by `tensors()`.
 
-    `windows` are AWQ's calibration windows (None for RTN); `kv_windows`, when given, are the windows
-    whose K/V ranges become `kv_stats`. Phase times go into `seconds`."""
+    `windows` are the calibration windows (None for RTN, unless it learns its rounding, and int8);
+    `kv_windows`, when given, are the windows whose K/V ranges become `kv_stats`. Phase times go
+    into `seconds`."""
 
     def __init__(self, loaded: LoadedModel, config: QuantizeConfig, windows: Optional[torch.Tensor],
                  kv_windows: Optional[torch.Tensor], report: dict[str, Any], progress: bool = True) -> None:
@@ -64,7 +65,7 @@ class BlockPass:
     def _blocks(self, device: torch.device, dtype: torch.dtype):
         model, spec, cfg = self.loaded.model, self.loaded.spec, self.config
         weights = self.loaded.blocks or BlockWeights()
-        if cfg.method == "awq":
+        if cfg.calibrated:  # AWQ, or RTN with learned rounding: the calibrated pass
             return awq_blocks(model, spec, cfg, self.windows, self.report, weights, progress=self.progress)
         return rtn_blocks(model, spec, cfg.weight, device, dtype, weights, progress=self.progress)
 
