@@ -53,7 +53,6 @@ import quantkit  # noqa: E402
 from quantkit.config import build_config  # noqa: E402
 from quantkit.formats.compressed_tensors import FP8_E4M3_MAX  # noqa: E402
 from quantkit.formats.kv_stats import read_kv_stats  # noqa: E402
-from quantkit.runtime.kv_cache import cache_arg_name  # noqa: E402
 
 SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -106,6 +105,14 @@ class VllmCpuFp8Cache(DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return super().update(e4m3_toward_zero(key_states, self.k_scales[layer_idx]),
                               e4m3_toward_zero(value_states, self.v_scales[layer_idx]), layer_idx, *args, **kwargs)
+
+
+def cache_arg_name(model) -> str:
+    """The keyword under which this transformers model's forward takes a cache (5.2x: `cache`)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def quantkit_greedy(model, prompts: list[list[int]], tokens: int, fp8_scales=None) -> list[list[int]]:

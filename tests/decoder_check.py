@@ -45,12 +45,14 @@ def engine_step(model, tables: torch.Tensor, new: list[torch.Tensor], past: list
     return list(logits.split(counts.tolist()))
 
 
-def engine_logits(model, prompts, decode_tokens) -> list[list[torch.Tensor]]:
-    """Per sequence: [prefill logits [L, V], then one [1, V] per decode step]."""
+def engine_logits(model, prompts, decode_tokens, rotation: str = "none") -> list[list[torch.Tensor]]:
+    """Per sequence: [prefill logits [L, V], then one [1, V] per decode step]; `rotation`: the KV16 pool's
+    (kernels/kv_rotation.py)."""
     per_seq = math.ceil((max(PROMPT_LENS) + DECODE_STEPS) / BLOCK)
     tables = torch.arange(len(prompts) * per_seq, dtype=torch.int32).view(len(prompts), per_seq)
     model.set_kv_caches([
-        PagedKV.allocate(tables.numel(), BLOCK, model.num_kv_heads, model.head_dim, 16, model.dtype, "cpu")
+        PagedKV.allocate(tables.numel(), BLOCK, model.num_kv_heads, model.head_dim, 16, model.dtype, "cpu",
+                         rotation=rotation)
         for _ in range(model.num_layers)
     ])
     out = [[x] for x in engine_step(model, tables, prompts, [0] * len(prompts), decode=False)]
@@ -79,10 +81,10 @@ def hf_logits(hf, prompts, decode_tokens) -> list[list[torch.Tensor]]:
     return out
 
 
-def assert_same_logits(model, hf) -> None:
+def assert_same_logits(model, hf, rotation: str = "none") -> None:
     prompts, decode = make_prompts()
     with torch.no_grad():
-        got, want = engine_logits(model, prompts, decode), hf_logits(hf, prompts, decode)
+        got, want = engine_logits(model, prompts, decode, rotation), hf_logits(hf, prompts, decode)
     for b, (g_seq, w_seq) in enumerate(zip(got, want)):
         for step, (g, w) in enumerate(zip(g_seq, w_seq)):
             err = (g - w.float()).abs().max() / w.abs().max()

@@ -116,6 +116,25 @@ def test_awq_rounding_flag(tiny_models, text_file, tmp_path, monkeypatch, capsys
     assert report["calibration"]["sampling"] == "distinct, non-overlapping"
 
 
+def test_learned_rounding_flags(tiny_models, text_file, tmp_path, monkeypatch, capsys):
+    """Bad learning settings are one-line errors before any work; `rtn --rounding learned` calibrates."""
+    model = str(tiny_models["llama"])
+    for flags, needles in ((["awq", model, "--rounding", "learned", "--learn-steps", "0"], ("--learn-steps 0", "1 to")),
+                           (["awq", model, "--rounding", "learned", "--learn-lr", "2"], ("--learn-lr 2.0",)),
+                           (["rtn", model, "--rounding", "gptq"], ("rtn --rounding gptq", "nearest or learned"))):
+        code, _, err = run_cli([*flags, "--work-dir", str(tmp_path / "o")], monkeypatch, capsys)
+        assert_one_line_error(code, err, *needles)
+        assert not (tmp_path / "o").exists()
+    out = tmp_path / "r"
+    code, _, _ = run_cli(["rtn", model, "--rounding", "learned", "--learn-steps", "5", "--calib-dataset", str(text_file),
+                          "--calib-samples", "4", "--calib-seqlen", "16", "--group-size", "32", "--device", "cpu",
+                          "--quiet", "--work-dir", str(out)], monkeypatch, capsys)
+    assert code in (0, None)
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["method"] == "rtn" and report["calibration"]["samples"] == 4
+    assert [b["learned"]["steps"] for b in report["rtn"]["blocks"]] == [5, 5]
+
+
 def test_w_bits_help_and_refusal_say_what_can_be_written(tiny_models, tmp_path, monkeypatch, capsys):
     help_text = subprocess.run([sys.executable, "-m", "quantkit.cli", "rtn", "--help"], capture_output=True, text=True,
                                env={**__import__("os").environ, "COLUMNS": "200"}).stdout

@@ -66,12 +66,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sm_scale = sm_scale
         self.kv_cache: Optional[paged_kv.PagedKV] = None
+        # [kv_heads, head_dim]: what a rotated pool subtracts from every key first (engine/kv_scales.py
+        # key_centers, from the checkpoint's KV statistics); None: keys are rotated as they are.
+        self.k_center: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] → [T, heads, D], for the step `meta` describes."""
         cache = self.kv_cache
         if cache is None:
             return causal_attention_packed(q, k, v, meta.query_start, self.sm_scale)
+        if cache.rotation is not None:  # the pool holds keys centred and rotated (kernels/kv_rotation.py)
+            q, k = cache.rotation.rotate(q, k, self.k_center)
         paged_kv.write_kv(cache, k, v, meta.slot_mapping)
         if meta.is_decode:
             return paged_kv.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens, self.sm_scale)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from quantkit.config import ConfigError
 
 KV_BITS = (16, 8, 4)
+KV_ROTATIONS = ("auto", "hadamard", "none")  # --kv-rotation; kernels/kv_rotation.py resolves auto per pool
 DTYPES = ("auto", "float16", "bfloat16")  # --dtype; auto is resolved per checkpoint (engine/model.py resolve_dtype)
 
 
@@ -44,6 +45,10 @@ class EngineConfig:
     # Engine(path) takes the checkpoint's own when unset).
     kv_scales: str = "online"
     kv_stats: Optional[str] = None
+    # How K and V are rotated before they are coded (kernels/kv_rotation.py): "auto" (a Hadamard rotation for
+    # kv_bits 4 with online scales, which keeps int4 keys' outlier channels from costing quality; none
+    # otherwise), "hadamard", or "none" (lmdeploy's plain per-token codes).
+    kv_rotation: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_bits not in KV_BITS:
@@ -63,6 +68,11 @@ class EngineConfig:
                               "prefill graphs off).")
         if self.kv_scales not in ("online", "static"):
             raise ConfigError(f"--kv-scales {self.kv_scales!r} is not supported: choose online or static.")
+        if self.kv_rotation not in KV_ROTATIONS:
+            raise ConfigError(f"--kv-rotation {self.kv_rotation!r} is not supported: choose auto, hadamard or none.")
+        if self.kv_rotation == "hadamard" and self.kv_scales == "static" and self.kv_bits != 16:
+            raise ConfigError("--kv-rotation hadamard rotates K and V, but static KV scales are calibrated on them "
+                              "unrotated: use --kv-scales online with it, or --kv-rotation none.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len {self.max_model_len} must be ≥ 2 tokens (or unset).")
         if not _is_dtype(self.dtype):

@@ -1,5 +1,13 @@
-"""Perplexity of several models (and KV-cache settings) by one protocol, and the comparison against
-the fp model: Δ % of perplexity and next-token top-1 agreement. Rendering lives in eval/report.py."""
+"""Perplexity of several models and KV-cache settings by one protocol, through the engine (the decoder
+and paged KV pool `serve` runs; transformers' own model with `reference`), and how far each row is from
+a reference row, per dataset: Δ % of perplexity, the mean KL divergence of its next-token distributions
+and top-1 agreement (eval/divergence.py). Rendering lives in eval/report.py.
+
+`compare`: the reference is the fp model with an unquantized pool (KV16); every model is loaded at
+once, and each window is run by every row in turn, so only the reference's logits of one window are
+held. `evaluate_models` (`eval ppl`): one model at a time; its KV16 row is the reference of its
+quantized-KV rows (added when only KV8/KV4 are asked for).
+"""
 
 from __future__ import annotations
 
@@ -7,24 +15,26 @@ import gc
 import logging
 import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
-from quantkit.config import KVQuantConfig, check_device
+from quantkit.config import UserError, check_device
 from quantkit.data import evaluation_windows, load_text, tokenize_text
-from quantkit.eval.loading import EvalModel, load_for_eval, set_kv_cache
-from quantkit.eval.perplexity import perplexity_of_windows
-from quantkit.formats.kv_stats import FILE_NAME, KVStatsError, kv_stats_file
-from quantkit.runtime.kv_cache import kv_cache_factory
+from quantkit.engine.config import EngineConfig
+from quantkit.eval.divergence import Divergence
+from quantkit.eval.loading import EvalModel, load_engine_model, load_reference_model
+from quantkit.eval.perplexity import reference_logits, window_nll
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ModelRow:
-    """One model under one KV-cache setting."""
+    """One model under one KV-cache setting; the last three fields are against the reference row."""
 
     name: str
     path: str
@@ -37,12 +47,13 @@ class ModelRow:
     ppl: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     delta_pct: dict[str, float] = field(default_factory=dict)
-    top1_agreement: Optional[float] = None
+    kl: dict[str, float] = field(default_factory=dict)  # mean KL(reference ‖ row), nats per token
+    top1: dict[str, float] = field(default_factory=dict)  # share of tokens whose argmax is the reference's
 
 
 @dataclass
 class Comparison:
-    """Rows in the order evaluated; with a reference, row 0 is it and the others carry deltas."""
+    """Rows in the order evaluated; `reference` says what the Δ %, KL and top-1 columns are against."""
 
     rows: list[ModelRow]
     datasets: list[str]
@@ -55,106 +66,154 @@ class Comparison:
         return asdict(self)
 
 
-class _Top1:
-    """Collects argmax predictions per window, or scores them against a reference's."""
+@dataclass(frozen=True)
+class KVSettings:
+    """How the engine's pool codes K and V beyond its bits (EngineConfig's fields of the same names)."""
 
-    def __init__(self, reference: Optional[list[torch.Tensor]] = None) -> None:
-        self.reference, self.preds = reference, []
-        self.same = self.total = 0
-
-    def __call__(self, i: int, logits: torch.Tensor) -> None:
-        pred = logits[:-1].argmax(-1).cpu()
-        if self.reference is None:
-            self.preds.append(pred)
-        else:
-            self.same += int((pred == self.reference[i]).sum())
-            self.total += pred.numel()
+    scales: str = "online"
+    stats: Optional[str] = None  # a statistics file or directory for static scales; None: each model's own
+    rotation: str = "auto"
 
 
-def _evaluate(em: EvalModel, texts: dict[str, str], seqlen: int, windows: Optional[int], progress: bool,
-              top1: Optional[_Top1], first_windows: Optional[torch.Tensor]) -> tuple[ModelRow, torch.Tensor]:
-    row = ModelRow(em.name, em.path, em.method, em.bits, em.group_size, em.kv, em.size_bytes, em.size_note)
-    factory = kv_cache_factory(em.model)
-    win0 = None
-    for j, (name, text) in enumerate(texts.items()):
-        win = evaluation_windows(tokenize_text(em.tokenizer, text), seqlen, windows)
-        hook = None
-        if j == 0:
-            win0 = win
-            # Agreement compares predictions position by position: only meaningful on identical tokens.
-            if top1 is not None and (first_windows is None or torch.equal(win, first_windows)):
-                hook = top1
-        nll, count = perplexity_of_windows(em.model, win, progress=progress, desc=f"{em.name} {em.kv} {name}",
-                                           kv_cache=factory, on_logits=hook)
-        row.ppl[name], row.tokens[name] = math.exp(nll), count
-    return row, win0
+@dataclass
+class _Setting:
+    """A row and what gives its logits of one window."""
+
+    em: EvalModel
+    row: ModelRow
+    logits: Callable[[torch.Tensor], torch.Tensor]
 
 
-def evaluate_models(paths: Sequence[str | Path], datasets: Sequence[str] = ("ptb",), seqlen: int = 2048,
-                    windows: Optional[int] = None, data_dir: Optional[str] = None, kv_bits: Sequence[int] = (16,),
-                    kv_scales: str = "online", kv_stats: Optional[str] = None, device: Optional[str] = None,
-                    progress: bool = True, reference: bool = False) -> Comparison:
-    """Perplexity of each model on each dataset, under each KV setting; with `reference`, the first
-    model at kv 16 is the reference that later rows are compared with (Δ %, top-1 agreement)."""
+def _settings(em: EvalModel, kv_bits: Sequence[int], kv: KVSettings, seqlen: int) -> list[_Setting]:
+    """One setting per KV bits: an engine runner each (its own pool), or the transformers model once."""
+    from quantkit.eval.engine_perplexity import engine_runner, kv_label, window_logits
+
+    def row(label: str) -> ModelRow:
+        return ModelRow(em.name, em.path, em.method, em.bits, em.group_size, label, em.size_bytes, em.size_note)
+
+    if em.reference:
+        return [_Setting(em, row("KV16 (transformers)"), partial(reference_logits, em.model))]
+    out = []
     for b in kv_bits:
-        KVQuantConfig(b, kv_scales)  # refuse --kv-bits 3 before loading anything
-    check_device(device)
+        stats = None
+        if kv.scales == "static" and b != 16:
+            from quantkit.engine.kv_scales import stats_file_for
+
+            stats = str(stats_file_for(em.path, kv.stats))
+        runner = engine_runner(em.model, b, seqlen, kv_scales=kv.scales, kv_stats=stats, kv_rotation=kv.rotation)
+        out.append(_Setting(em, row(kv_label(runner)), partial(window_logits, runner)))
+    return out
+
+
+def _measure(settings: list[_Setting], texts: dict[str, str], seqlen: int, windows: Optional[int],
+             progress: bool, reference: bool) -> None:
+    """Fill each row's perplexity per dataset; with `reference`, settings[0] is the reference row and the
+    others whose windows are the same tokens get KL and top-1 against it."""
+    for name, text in texts.items():
+        tokens: dict[int, torch.Tensor] = {}
+        for s in settings:  # tokenized once per model
+            if id(s.em) not in tokens:
+                tokens[id(s.em)] = evaluation_windows(tokenize_text(s.em.tokenizer, text), seqlen, windows)
+        wins = [tokens[id(s.em)] for s in settings]
+        divs = [Divergence() if reference and j and torch.equal(w, wins[0]) else None for j, w in enumerate(wins)]
+        nll = [0.0] * len(settings)
+        for i in tqdm(range(max(len(w) for w in wins)), desc=name, disable=not progress, unit="window"):
+            ref_logits = None
+            for j, (s, w) in enumerate(zip(settings, wins)):
+                if i >= len(w):
+                    continue
+                logits = s.logits(w[i])
+                nll[j] += window_nll(logits, w[i])
+                if j == 0:
+                    ref_logits = logits[:-1]
+                elif divs[j] is not None:
+                    divs[j].add(ref_logits, logits[:-1])
+        for s, w, total, div in zip(settings, wins, nll, divs):
+            count = w.shape[0] * (seqlen - 1)
+            s.row.ppl[name], s.row.tokens[name] = math.exp(total / count), count
+            if div is not None:
+                s.row.kl[name], s.row.top1[name] = div.kl, div.top1
+        if reference:
+            base = settings[0].row
+            for s in settings[1:]:
+                s.row.delta_pct[name] = 100.0 * (s.row.ppl[name] / base.ppl[name] - 1.0)
+
+
+def _check(paths: Sequence[str | Path], kv_bits: Sequence[int], kv: KVSettings, device: Optional[str]) -> None:
+    """Refuse bad settings and missing files before anything loads."""
     from quantkit.models.loading import ModelLoadError
 
+    for b in kv_bits:
+        EngineConfig(kv_bits=b, kv_scales=kv.scales, kv_rotation=kv.rotation)  # --kv-bits 3, …
+    check_device(device)
     for p in paths:
         if not Path(p).exists():
             raise ModelLoadError(f"{p} does not exist: pass a model directory, a .gguf file or a quantkit checkpoint")
-    if kv_scales == "static" and any(b != 16 for b in kv_bits):
+    if kv.scales == "static" and any(b != 16 for b in kv_bits):
+        from quantkit.engine.kv_scales import stats_file_for
+
         for p in paths:
-            src = Path(kv_stats or p)
-            if not (src.is_file() and src.suffix == ".safetensors") and not (src.is_dir() and kv_stats_file(src)):
-                raise KVStatsError(f"{p} has no {FILE_NAME} for --kv-scales static: run `quantkit kv-calibrate {p} "
-                                   "--calib-dataset ptb` (with --output for fp models) or pass --kv-stats FILE")
+            stats_file_for(p, kv.stats)
+
+
+def _texts(datasets: Sequence[str], data_dir: Optional[str]) -> dict[str, str]:
     texts = {}
     for d in datasets:
         text, source = load_text(d, "test", data_dir)
         texts[source.name] = text
+    return texts
+
+
+def evaluate_models(paths: Sequence[str | Path], datasets: Sequence[str] = ("ptb",), seqlen: int = 2048,
+                    windows: Optional[int] = None, data_dir: Optional[str] = None, kv_bits: Sequence[int] = (16,),
+                    kv: KVSettings = KVSettings(), device: Optional[str] = None, progress: bool = True,
+                    reference: bool = False) -> Comparison:
+    """`eval ppl`: perplexity of each model on each dataset under each KV setting, through the engine.
+    A model evaluated under KV8/KV4 is evaluated at KV16 too, first: the reference of its other rows.
+    `reference` runs transformers' own models instead (an independent check of the engine), which have no
+    quantized KV cache."""
+    if reference and any(b != 16 for b in kv_bits):
+        raise UserError("--reference evaluates transformers' own model, which has no quantized KV cache: "
+                        "drop --kv-bits, or drop --reference to measure the engine's KV quantization")
+    _check(paths, kv_bits, kv, device)
+    texts = _texts(datasets, data_dir)
+    bits = list(dict.fromkeys([16, *kv_bits] if any(b != 16 for b in kv_bits) else kv_bits))
     rows: list[ModelRow] = []
-    ref_top1: Optional[_Top1] = None
-    ref_windows: Optional[torch.Tensor] = None
-    # The reference is evaluated with an unquantized cache first, then under the other settings asked for.
-    ref_kv = [16] + [b for b in kv_bits if b != 16]
-    for i, p in enumerate(paths):
-        em = load_for_eval(p, device=device)  # once per model; the KV settings only swap the cache
-        for b in ref_kv if reference and i == 0 else kv_bits:
-            set_kv_cache(em, b, kv_scales, kv_stats)
-            is_ref = reference and i == 0 and b == 16
-            top1 = _Top1() if is_ref else (_Top1(ref_top1.preds) if ref_top1 is not None else None)
-            row, win0 = _evaluate(em, texts, seqlen, windows, progress, top1, None if is_ref else ref_windows)
-            if is_ref:
-                ref_top1, ref_windows = top1, win0
-            elif top1 is not None and top1.total:
-                row.top1_agreement = top1.same / top1.total
-            rows.append(row)
-            log.info("%s %s: %s", row.name, row.kv, {k: round(v, 3) for k, v in row.ppl.items()})
-        del em
+    for p in paths:
+        em = (load_reference_model if reference else load_engine_model)(p, device)
+        settings = _settings(em, bits, kv, seqlen)
+        _measure(settings, texts, seqlen, windows, progress, reference=len(settings) > 1)
+        rows += [s.row for s in settings]
+        for s in settings:
+            log.info("%s %s: %s", s.row.name, s.row.kv, {k: round(v, 3) for k, v in s.row.ppl.items()})
+        del em, settings
         gc.collect()
-    if reference and rows:
-        base = rows[0]
-        for row in rows[1:]:
-            row.delta_pct = {d: 100.0 * (row.ppl[d] / base.ppl[d] - 1.0) for d in row.ppl}
-    return Comparison(rows, list(texts), seqlen, windows, rows[0].path if reference and rows else None)
+    quantized = len(bits) > 1
+    return Comparison(rows, list(texts), seqlen, windows, "each model's KV16 row" if quantized else None)
 
 
 def compare(fp_model: str | Path, checkpoints: Sequence[str | Path], datasets: Sequence[str] = ("ptb",),
             seqlen: int = 2048, windows: Optional[int] = None, data_dir: Optional[str] = None,
-            kv_bits: Sequence[int] = (16,), kv_scales: str = "online", device: Optional[str] = None,
+            kv_bits: Sequence[int] = (16,), kv: KVSettings = KVSettings(), device: Optional[str] = None,
             output: Optional[str | Path] = None, progress: bool = True) -> Comparison:
-    """Compare quantized checkpoints with their fp model; with `output` (a .md path) also write the
-    Markdown report and a PNG bar chart of the perplexities beside it (the chart only where matplotlib
-    is installed: `report.write_report`)."""
+    """Compare quantized checkpoints with their fp model on the engine: every row against the fp model
+    at KV16. With `output` (a .md path) also write the Markdown report and a PNG bar chart of the
+    perplexities beside it (the chart only where matplotlib is installed: `report.write_report`)."""
     from quantkit.runtime.loader import model_config, read_quant_config
 
     for c in checkpoints:  # "X is not a quantized checkpoint …", a broken config.json: before any evaluation
         read_quant_config(Path(c))
         model_config(Path(c))
-    result = evaluate_models([fp_model, *checkpoints], datasets, seqlen, windows, data_dir, kv_bits, kv_scales,
-                             None, device, progress, reference=True)
+    _check([fp_model, *checkpoints], kv_bits, kv, device)
+    texts = _texts(datasets, data_dir)
+    fp = load_engine_model(fp_model, device)
+    settings = _settings(fp, list(dict.fromkeys([16, *kv_bits])), kv, seqlen)
+    for c in checkpoints:
+        settings += _settings(load_engine_model(c, device), kv_bits, kv, seqlen)
+    _measure(settings, texts, seqlen, windows, progress, reference=True)
+    result = Comparison([s.row for s in settings], list(texts), seqlen, windows, f"{fp.name} at KV16")
+    del fp, settings
+    gc.collect()
     if output is not None:
         from quantkit.eval.report import write_report
 

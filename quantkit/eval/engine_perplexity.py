@@ -1,5 +1,7 @@
-"""Perplexity through the inference engine: our decoder over its paged KV pool, so a quantized cache
-(kv_bits 8 or 4, per-token per-head scales) is what the measurement sees.
+"""Next-token logits and perplexity through the inference engine: our decoder over its paged KV pool, so
+the KV cache the measurement sees is what `chat`, `pipeline` and `serve` store (kernels/paged_kv.py:
+the model's dtype at kv_bits 16; int8 / int4 codes with one fp16 scale and uint8 zero per token and
+head at 8 / 4, online or static, after a Hadamard rotation where `kv_rotation` resolves to one).
 
 The protocol is `eval.perplexity`'s (whole text tokenized once, non-overlapping windows, mean NLL of
 every predicted token). Each window runs as one sequence's prefill, in chunks of `chunk` tokens; every
@@ -11,10 +13,8 @@ the chunk size does not change them).
 
 from __future__ import annotations
 
-import gc
 import math
-from pathlib import Path
-from typing import Any, Optional, Sequence as Seq
+from typing import Any, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -24,97 +24,66 @@ from quantkit.data import evaluation_windows, load_text, tokenize_text
 from quantkit.engine.config import EngineConfig
 from quantkit.engine.model_runner import ModelRunner
 from quantkit.engine.sequence import Sequence
-from quantkit.eval.compare import Comparison, ModelRow
-from quantkit.eval.perplexity import PerplexityResult
+from quantkit.eval.perplexity import PerplexityResult, window_nll
 
 
-def engine_runner(model: Any, kv_bits: int, seqlen: int, chunk: int, kv_scales: str = "online",
-                  kv_stats: Optional[str] = None) -> ModelRunner:
+def kv_label(runner: ModelRunner) -> str:
+    """What a runner's pool stores, for tables: "KV16", "KV8 per token", "KV4 per token, keys centred +
+    rotated" (keys rotated, and centred where the model has key centres), "KV4 static per head"."""
+    pool = runner.kv_caches[0]
+    if pool.bits == 16:
+        return "KV16"
+    label = f"KV{pool.bits} " + ("per token" if pool.static is None else "static per head")
+    if pool.rotation is None:
+        return label
+    centred = runner.model.model.layers[0].self_attn.attn.k_center is not None
+    return label + (", keys centred + rotated" if centred else ", keys rotated")
+
+
+def engine_runner(model: Any, kv_bits: int, seqlen: int, chunk: Optional[int] = None, kv_scales: str = "online",
+                  kv_stats: Optional[str] = None, kv_rotation: str = "auto") -> ModelRunner:
     """A runner over `model` whose pool holds one window of `seqlen` tokens at `kv_bits`, coded with
-    `kv_scales` (static: the per-head scales of the statistics file `kv_stats`)."""
+    `kv_scales` (static: the per-head scales of the statistics file `kv_stats`) and `kv_rotation`."""
     if seqlen > model.max_positions:
         raise UserError(f"--seqlen {seqlen} is longer than the model's context ({model.max_positions} tokens): "
                         "choose a smaller --seqlen")
     block = EngineConfig.block_size
     config = EngineConfig(kv_bits=kv_bits, num_kv_tokens=math.ceil(seqlen / block) * block, max_model_len=seqlen,
-                          max_num_batched_tokens=chunk, cuda_graphs=False, enable_prefix_caching=False,
-                          kv_scales=kv_scales, kv_stats=kv_stats)
+                          max_num_batched_tokens=chunk or seqlen, cuda_graphs=False, enable_prefix_caching=False,
+                          kv_scales=kv_scales, kv_stats=kv_stats, kv_rotation=kv_rotation)
     return ModelRunner(model, config)
 
 
-def engine_perplexity_of_windows(runner: ModelRunner, windows: torch.Tensor, chunk: int, progress: bool = True,
-                                 desc: str = "ppl") -> tuple[float, int]:
-    """Mean NLL (nats) over every predicted token of `windows` [k, seqlen], and the token count. Every
-    window reuses the pool's first blocks: its chunks write each slot before attention reads it."""
-    total, count = 0.0, 0
-    for w in tqdm(windows, desc=desc, disable=not progress, unit="window"):
-        seq = Sequence(w.tolist())
-        seq.block_table = list(range(math.ceil(len(seq) / runner.block_size)))
-        logits = []
-        while seq.num_computed_tokens < len(seq):
-            n = min(chunk, len(seq) - seq.num_computed_tokens)
-            logits.append(runner.prompt_logits([(seq, n)]))
-            seq.num_computed_tokens += n
-        ids = w.to(runner.device)
-        total += torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], ids[1:], reduction="sum").item()
-        count += len(ids) - 1
-    return total / count, count
+@torch.inference_mode()
+def window_logits(runner: ModelRunner, window: torch.Tensor, chunk: Optional[int] = None) -> torch.Tensor:
+    """float32 logits [seqlen, vocab] of every position of one window, prefilled in chunks of `chunk` tokens
+    into the runner's pool (its first blocks, reused by every window). Several runners may share one
+    model (one per KV setting): the runner's pool is bound to the model first."""
+    runner.model.set_kv_caches(runner.kv_caches)
+    seq = Sequence(window.tolist())
+    seq.block_table = list(range(math.ceil(len(seq) / runner.block_size)))
+    chunk = chunk or runner.config.max_num_batched_tokens
+    logits = []
+    while seq.num_computed_tokens < len(seq):
+        n = min(chunk, len(seq) - seq.num_computed_tokens)
+        logits.append(runner.prompt_logits([(seq, n)]))
+        seq.num_computed_tokens += n
+    return torch.cat(logits)
 
 
 def engine_perplexity(model: Any, tokenizer: Any, dataset: str = "ptb", seqlen: int = 2048,
                       windows: Optional[int] = None, data_dir: Optional[str] = None, kv_bits: int = 16,
                       chunk: Optional[int] = None, progress: bool = True, kv_scales: str = "online",
-                      kv_stats: Optional[str] = None) -> PerplexityResult:
-    """Perplexity of a `DecoderModel` (engine.model.load_decoder) on the test split of `dataset`, its
-    K/V in a paged pool of `kv_bits` (16: the model's dtype; 8, 4: online per-token codes, or with
-    kv_scales "static" the per-head scales of the statistics file `kv_stats`). Windows run as prefills
-    of `chunk` tokens (default: the whole window)."""
+                      kv_stats: Optional[str] = None, kv_rotation: str = "auto") -> PerplexityResult:
+    """Perplexity of a `DecoderModel` (engine.model.load_decoder) on the test split of `dataset`, its K/V in
+    a paged pool of `kv_bits` (see `engine_runner`). Windows run as prefills of `chunk` tokens (default:
+    the whole window)."""
     text, source = load_text(dataset, "test", data_dir)
     win = evaluation_windows(tokenize_text(tokenizer, text), seqlen, windows)
-    chunk = chunk or seqlen
-    runner = engine_runner(model, kv_bits, seqlen, chunk, kv_scales, kv_stats)
-    kv = kv_label(kv_bits, kv_scales)
-    nll, count = engine_perplexity_of_windows(runner, win, chunk, progress, f"ppl {source.name} {kv}")
+    runner = engine_runner(model, kv_bits, seqlen, chunk, kv_scales, kv_stats, kv_rotation)
+    kv = kv_label(runner)
+    total = sum(window_nll(window_logits(runner, w), w)
+                for w in tqdm(win, desc=f"ppl {source.name} {kv}", disable=not progress, unit="window"))
     model.set_kv_caches([None] * model.num_layers)  # the pool goes with the runner
-    return PerplexityResult(math.exp(nll), nll, count, win.shape[0], seqlen, source.name, kv)
-
-
-def kv_label(kv_bits: int, kv_scales: str = "online") -> str:
-    return "engine fp" if kv_bits == 16 else f"engine KV{kv_bits} {kv_scales}"
-
-
-def evaluate_on_engine(paths: Seq[str | Path], datasets: Seq[str] = ("ptb",), seqlen: int = 2048,
-                       windows: Optional[int] = None, data_dir: Optional[str] = None, kv_bits: Seq[int] = (16,),
-                       device: Optional[str] = None, progress: bool = True, kv_scales: str = "online",
-                       kv_stats: Optional[str] = None) -> Comparison:
-    """`quantkit eval ppl --engine`: each model directory loaded once as the engine's decoder, its
-    perplexity on each dataset under each KV setting, as rows of the comparison table. Static KV scales
-    come from `kv_stats` (a file or directory), else from each model directory's statistics."""
-    from quantkit.engine.kv_scales import stats_file_for
-    from quantkit.engine.model import load_decoder
-    from quantkit.eval.loading import _weight_fields, checkpoint_size, is_checkpoint
-
-    for b in kv_bits:
-        EngineConfig(kv_bits=b, kv_scales=kv_scales)  # refuse --kv-bits 3 before loading anything
-    for p in map(Path, paths):
-        if not p.is_dir():
-            raise UserError(f"{p} is not a model directory: the engine reads HF directories and quantkit "
-                            "checkpoints (convert a .gguf with load_fp_model + save_pretrained, or drop --engine)")
-    static = kv_scales == "static" and any(b != 16 for b in kv_bits)
-    stats = {str(p): str(stats_file_for(p, kv_stats)) if static else None for p in map(Path, paths)}  # fail now
-    rows: list[ModelRow] = []
-    names: list[str] = []
-    for p in map(Path, paths):
-        model, tokenizer, _ = load_decoder(p, device)
-        method, bits, group = _weight_fields(p) if is_checkpoint(p) else ("fp", 16, None)
-        for b in kv_bits:
-            row = ModelRow(p.name, str(p), method, bits, group, kv_label(b, kv_scales), checkpoint_size(p))
-            for d in datasets:
-                res = engine_perplexity(model, tokenizer, d, seqlen, windows, data_dir, b, progress=progress,
-                                        kv_scales=kv_scales, kv_stats=stats[str(p)])
-                row.ppl[res.dataset], row.tokens[res.dataset] = res.ppl, res.tokens
-            names = list(row.ppl)
-            rows.append(row)
-        del model
-        gc.collect()
-    return Comparison(rows, names, seqlen, windows)
+    count = win.shape[0] * (seqlen - 1)
+    return PerplexityResult(math.exp(total / count), total / count, count, win.shape[0], seqlen, source.name, kv)

@@ -1,16 +1,17 @@
-"""Load any model that evaluation takes — an fp HF directory, a .gguf file or a quantkit checkpoint —
-and describe it for comparison tables (method, bits, group size, KV bits, size)."""
+"""Load any model that evaluation takes — an fp HF directory, a .gguf file or a quantkit checkpoint — as
+the engine's decoder (what `chat` and `serve` run) or, for `eval ppl --reference`, as transformers' own
+model; and describe it for comparison tables (method, bits, group size, size)."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from quantkit.config import KVQuantConfig
 from quantkit.formats.kv_stats import LEGACY_FILE_NAME
 
 
@@ -18,16 +19,16 @@ from quantkit.formats.kv_stats import LEGACY_FILE_NAME
 class EvalModel:
     """A loaded model plus what a comparison table says about it."""
 
-    model: Any
+    model: Any  # a DecoderModel (the engine), or a transformers model (`reference`)
     tokenizer: Any
     path: str
     name: str
     method: str  # "fp", "rtn", "int8", "awq", …
     bits: int  # bits per weight (16 for fp)
     group_size: Optional[int]  # None for fp; -1 for one group per output channel
-    kv: str  # "fp" or e.g. "KV8 online"
     size_bytes: int
     size_note: str = ""
+    reference: bool = False  # transformers' modeling code instead of the engine's
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -60,48 +61,59 @@ def _weight_fields(path: Path) -> tuple[str, int, Optional[int]]:
     return method, bits, group_size
 
 
-def load_for_eval(path: str | Path, kv_bits: int = 16, kv_scales: str = "online", kv_stats: Optional[str] = None,
-                  device: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> EvalModel:
-    """Load `path` for evaluation, with a quantized KV cache attached when `kv_bits` is 8 or 4.
+def _describe(p: Path, model: Any, tokenizer: Any, reference: bool) -> EvalModel:
+    if is_checkpoint(p):
+        method, bits, group_size = _weight_fields(p)
+        size, note = checkpoint_size(p), ""
+    elif p.is_file():  # a .gguf is evaluated dequantized: its fp16 size is the one to compare with
+        method, bits, group_size = "fp", 16, None
+        size = sum(t.numel() for t in model.parameters()) * 2  # parameters() counts tied weights once
+        note = "fp16 size of the dequantized .gguf"
+    else:
+        method, bits, group_size = "fp", 16, None
+        size, note = checkpoint_size(p), ""
+    return EvalModel(model, tokenizer, str(p), p.name, method, bits, group_size, size, note, reference)
 
-    Checkpoints load through `quantkit.load`; fp models likewise on CUDA in float16 when present, else
-    on the CPU in float32, unless `device` / `dtype` say otherwise. See `set_kv_cache` for the KV settings.
-    """
-    KVQuantConfig(kv_bits, kv_scales)  # a bad --kv-bits fails here, before any loading
+
+def _device(device: Optional[str]) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def load_engine_model(path: str | Path, device: Optional[str] = None) -> EvalModel:
+    """`path` as the engine's decoder (engine.model.load_decoder, its dtype resolved as the engine does).
+    A .gguf is dequantized into a temporary HF directory first (fp16 on CUDA, fp32 on the CPU)."""
+    from quantkit.engine.model import load_decoder
+    from quantkit.models.loading import ModelLoadError, load_fp_model
+
+    p, dev = Path(path), _device(device)
+    if not p.exists():
+        raise ModelLoadError(f"{p} does not exist: pass a model directory, a .gguf file or a quantkit checkpoint")
+    if p.is_dir():
+        model, tokenizer, _ = load_decoder(p, dev)
+        return _describe(p, model, tokenizer, reference=False)
+    loaded = load_fp_model(p, dtype=torch.float16 if dev.type == "cuda" else torch.float32)
+    with tempfile.TemporaryDirectory(prefix="quantkit-gguf-") as tmp:
+        loaded.model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        del loaded
+        model, tokenizer, _ = load_decoder(tmp, dev)
+    return _describe(p, model, tokenizer, reference=False)
+
+
+def load_reference_model(path: str | Path, device: Optional[str] = None,
+                         dtype: Optional[torch.dtype] = None) -> EvalModel:
+    """`path` as transformers' own model (`eval ppl --reference`): checkpoints through `quantkit.load`,
+    fp models through `load_fp_model`; on CUDA in float16 when present, else on the CPU in float32."""
     p = Path(path)
     if p.is_dir() and is_checkpoint(p):
         from quantkit.runtime.loader import load
 
-        model, tok = load(p, device=device, dtype=dtype)
-        method, bits, group_size = _weight_fields(p)
-        size, note = checkpoint_size(p), ""
+        model, tokenizer = load(p, device=device, dtype=dtype)
     else:
         from quantkit.models.loading import load_fp_model
 
-        # Same defaults as quantkit.load: the GPU in fp16 when there is one, else the CPU in fp32.
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = _device(device)
         loaded = load_fp_model(p, dtype=dtype or (torch.float16 if dev.type == "cuda" else torch.float32))
-        model, tok = loaded.model, loaded.tokenizer
+        model, tokenizer = loaded.model, loaded.tokenizer
         torch.nn.Module.to(model, dev)  # Module.to: transformers guards .to on models it flags quantized (GGUF)
-        method, bits, group_size = "fp", 16, None
-        if p.is_file():  # a .gguf is evaluated dequantized: its fp16 size is the one to compare with
-            size = sum(t.numel() for t in model.parameters()) * 2  # parameters() counts tied weights once
-            note = "fp16 size of the dequantized .gguf"
-        else:
-            size, note = checkpoint_size(p), ""
-    em = EvalModel(model, tok, str(p), p.name, method, bits, group_size, "fp", size, note)
-    return set_kv_cache(em, kv_bits, kv_scales, kv_stats)
-
-
-def set_kv_cache(em: EvalModel, kv_bits: int, kv_scales: str = "online", kv_stats: Optional[str] = None) -> EvalModel:
-    """Attach a quantized KV cache of `kv_bits` (8, 4; 16 removes it) to the loaded model, in place.
-
-    Statistics for static scales come from `kv_stats` (a file or directory), else from the checkpoint.
-    """
-    from quantkit.runtime.kv_cache import attach_kv_cache
-
-    p = Path(em.path)
-    factory = attach_kv_cache(em.model, kv_stats if kv_stats is not None else (p if p.is_dir() else None),
-                              kv_bits, kv_scales)
-    em.kv = factory.settings.describe() if factory else "fp"
-    return em
+    return _describe(p, model, tokenizer, reference=True)

@@ -20,25 +20,24 @@ def _group(row: ModelRow) -> str:
 
 
 def table_rows(result: Comparison) -> tuple[list[str], list[list[str]]]:
-    """Header and cells shared by every rendering."""
+    """Header and cells shared by every rendering: per dataset, perplexity and, where a row has a
+    reference, Δ %, mean KL divergence and top-1 agreement against it."""
     header = ["model", "method", "W bits", "group", "KV cache", "size (MB)"]
+    against = bool(result.reference)
     for d in result.datasets:
         header.append(f"ppl {d}")
-        if result.reference:
-            header.append(f"Δ % {d}")
-    if result.reference:
-        header.append("top-1 agreement")
+        if against:
+            header += [f"Δ % {d}", f"KL {d}", f"top-1 {d}"]
     cells = []
     for row in result.rows:
         size = f"{row.size_bytes / 1e6:.1f}" + ("*" if row.size_note else "")
         line = [row.name, row.method, str(row.bits), _group(row), row.kv, size]
         for d in result.datasets:
             line.append(f"{row.ppl[d]:.3f}")
-            if result.reference:
+            if against:
                 line.append(f"{row.delta_pct[d]:+.2f}" if d in row.delta_pct else "—")
-        if result.reference:
-            agree = row.top1_agreement
-            line.append("—" if agree is None else f"{100 * agree:.1f} %")
+                line.append(f"{row.kl[d]:.4f}" if d in row.kl else "—")
+                line.append(f"{100 * row.top1[d]:.1f} %" if d in row.top1 else "—")
         cells.append(line)
     return header, cells
 
@@ -48,8 +47,9 @@ def _footnotes(result: Comparison) -> list[str]:
              f"{'all' if result.windows is None else f'first {result.windows}'} non-overlapping windows."]
     notes += sorted({f"* {r.size_note}." for r in result.rows if r.size_note})
     if result.reference:
-        notes.append("Δ % and top-1 agreement (next-token argmax equal to the reference's, on the first "
-                     f"dataset) are against {Path(result.reference).name} with an unquantized KV cache.")
+        notes.append(f"Δ %, KL and top-1 are against {result.reference}: KL is the mean over predicted tokens of "
+                     "KL(reference ‖ row) of the next-token distributions, in nats; top-1 the share of tokens "
+                     "whose most likely next token is the reference's (llama.cpp's --kl-divergence).")
     return notes
 
 
@@ -86,7 +86,7 @@ def plot_perplexity(result: Comparison, png: Path) -> Path:
     matplotlib.use("Agg")  # files only: never open a window (servers, CI)
     import matplotlib.pyplot as plt
 
-    labels = [r.name if r.kv == "fp" else f"{r.name}\n{r.kv}" for r in result.rows]
+    labels = [r.name if r.kv == "KV16" else f"{r.name}\n{r.kv}" for r in result.rows]
     n = len(result.datasets)
     width = 0.8 / n
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(labels) + 1), 3.8))

@@ -1,20 +1,28 @@
-"""An orthogonal rotation of each KV head's channels before the paged pool codes K and V.
+"""How a KV4 pool stores keys: centred, then rotated by a Hadamard matrix, before the per-token codes.
 
 Per-token int4 codes give a token one step for all its channels, and a few outlier key channels (far
-larger than the rest, common after RoPE) set that step: the other channels keep one or two codes. A
-Hadamard matrix mixes every channel into every other, so the rotated row's range shrinks toward its
-norm and each code carries information (QuaRot, SpinQuant). Attention is unchanged: q gets the same
-rotation (q·k = qR·kR when R·Rᵀ = I), and v's rotation is undone on attention's output, a weighted sum
-of V rows (Σ p·vR = (Σ p·v)·R).
+larger than the rest, most of it a fixed offset, common after RoPE) set that step: the other channels
+keep one or two codes. Two exact transformations of attention take the outliers out of the codes:
+
+- centring: every key is shifted by a fixed per-channel vector μ (the midpoint of each channel's
+  calibrated range, where the checkpoint has KV statistics: engine/kv_scales.key_centers). A query's
+  scores all move by the same q·μ, which softmax ignores, while the codes no longer span the offset.
+- rotation: a Hadamard matrix mixes every channel into every other, so a rotated key's range shrinks
+  toward its norm and each code carries information (QuaRot, SpinQuant). q gets the same rotation,
+  and q·k = qR·kR when R·Rᵀ = I.
+
+Values are left alone: their per-token int4 codes cost a fraction of what the keys' do (BENCHMARKS.md,
+issue #27's section), and a rotation of V would have to be undone on attention's output.
 
 The matrices are a Sylvester Hadamard matrix S (entries ±1, S·S = n·I, symmetric) times powers of two
-whose product is 1/n: K and V take S·2^-⌊m/2⌋, q and the output S·2^-⌈m/2⌉ (n = 2^m). Every entry is
-exact in fp16 and bf16, so a rotation and its inverse cost only the rounding of the matmuls' results.
-A head_dim that is not a power of two is rotated in blocks of its largest power-of-two divisor (a
-block-diagonal matrix), which spreads an outlier only within its block.
+whose product is 1/n: keys take S·2^-⌊m/2⌋, queries S·2^-⌈m/2⌉ (n = 2^m). Every entry is exact in fp16
+and bf16, so scores change only by the rounding of the matmuls' results. A head_dim that is not a power
+of two is rotated in blocks of its largest power-of-two divisor (a block-diagonal matrix), which
+spreads an outlier only within its block.
 
-Plain matmuls on the step's own tensors: no host syncs, nothing sized by the step, so CUDA graphs and
-the piecewise prefill graphs capture them like any other op.
+Plain tensor ops on the step's own tensors: no host syncs, nothing sized by the step, so CUDA graphs and
+the piecewise prefill graphs capture them like any other op. The kernels read and write the pool as
+they always do.
 """
 
 from __future__ import annotations
@@ -67,24 +75,23 @@ def pool_rotation(name: Optional[str], bits: int, static: bool, head_dim: int, d
 class KVRotation:
     """The two scaled block-Hadamard matrices [head_dim, head_dim] of a pool (see the module docstring)."""
 
-    kv: Tensor  # K and V are multiplied by it before they are written
-    q: Tensor  # q is multiplied by it, and so is attention's output to return from V's basis
+    q: Tensor  # queries are multiplied by it
+    k: Tensor  # keys are multiplied by it before they are written
 
     @staticmethod
     def hadamard(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> "KVRotation":
         block = head_dim & -head_dim  # the largest power of two dividing head_dim
         if block < head_dim:
-            log.info("head_dim %d is not a power of two: KV rotated in %d blocks of %d channels",
+            log.info("head_dim %d is not a power of two: keys rotated in %d blocks of %d channels",
                      head_dim, head_dim // block, block)
         s = torch.block_diag(*[hadamard(block)] * (head_dim // block))
         m = block.bit_length() - 1
-        return KVRotation((s * 2.0 ** -(m // 2)).to(dtype=dtype, device=device),
-                          (s * 2.0 ** -(m - m // 2)).to(dtype=dtype, device=device))
+        return KVRotation((s * 2.0 ** -(m - m // 2)).to(dtype=dtype, device=device),
+                          (s * 2.0 ** -(m // 2)).to(dtype=dtype, device=device))
 
-    def rotate(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [T, heads, D], k and v [T, kv_heads, D] in the pool's basis."""
-        return q @ self.q, k @ self.kv, v @ self.kv
-
-    def unrotate(self, out: Tensor) -> Tensor:
-        """Attention's output [T, heads, D] over rotated V, back in the model's basis."""
-        return out @ self.q
+    def rotate(self, q: Tensor, k: Tensor, k_center: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """q [T, heads, D] and k [T, kv_heads, D] in the pool's basis, k first shifted by `k_center`
+        [kv_heads, D] (None: not shifted)."""
+        if k_center is not None:
+            k = k - k_center
+        return q @ self.q, k @ self.k

@@ -12,7 +12,9 @@ have their scales side by side (one 32-byte load per block, not one per token).
 The scale and zero of a token are its own row's range (online), or, when the cache holds static
 per-head scales (`PagedKV.static`, from calibration statistics), that head's fixed scale and zero:
 the write then stores them in the same per-token slots and clips values outside the calibrated range,
-so every reader of the cache works unchanged.
+so every reader of the cache works unchanged. A pool with a `rotation` (KV4 online, by default) holds
+keys centred and Hadamard-rotated (kernels/kv_rotation.py): Attention transforms q and k before the
+write, and these functions see only the transformed tensors.
 
 `write_kv`, `paged_decode_attention` and `paged_prefill_attention` run the Triton kernels of
 kernels/triton_paged.py and triton_prefill.py where `hardware.runs_triton` says so (an NVIDIA GPU of
@@ -58,8 +60,8 @@ class PagedKV:
     # Static per-head codes (bits 8/4): (k_scale fp16 [kv_heads], k_zero uint8, v_scale, v_zero) that every
     # write uses instead of the token's own range; None: online.
     static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
-    # K and V are stored rotated by a block-Hadamard matrix (kernels/kv_rotation.py), which Attention applies
-    # to q, k, v and undoes on its output; the kernels read and write the pool unchanged. None: unrotated.
+    # Keys are stored centred and rotated by a block-Hadamard matrix (kernels/kv_rotation.py), which Attention
+    # applies to q and k before the write; the kernels read and write the pool unchanged. None: as they come.
     rotation: Optional[KVRotation] = None
 
     @staticmethod
@@ -130,7 +132,7 @@ def check_bits(bits: int, head_dim: int) -> None:
         raise UserError(f"kv_bits 4 packs two channels per byte, but head_dim is {head_dim} (odd): use kv_bits 8.")
 
 
-# ---- quantization (the same arithmetic as runtime/kv_quant.quantize_per_token, which kernels/ may not import)
+# ---- quantization: quantkit's only KV codec (the Triton write kernel does the same arithmetic)
 
 def range_scale_zero(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """Scale (fp16 values in float32) and integer zero (float32) of codes spanning [min(lo, 0), max(hi, 0)].

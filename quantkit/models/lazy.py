@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from quantkit.config import UserError
+from quantkit.formats.kv_stats import LEGACY_FILE_NAME
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ class TensorReader:
         self.path = Path(path)
         self.file_of: dict[str, Path] = {}
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}
-        files = sorted(self.path.glob("*.safetensors"))
+        # Not the KV statistics that checkpoints written before quantkit/ existed keep at the root.
+        files = sorted(f for f in self.path.glob("*.safetensors") if f.name != LEGACY_FILE_NAME)
         if files:
             from safetensors import SafetensorError, safe_open
 

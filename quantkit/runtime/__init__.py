@@ -1,2 +1,2 @@
-"""Packed checkpoints as transformers models (quantkit.load) and the quantized transformers KV cache that
-evaluation without the engine uses; generation runs on quantkit.engine."""
+"""Packed checkpoints as transformers models (quantkit.load: `eval ppl --reference`, calibration); generation
+and quantized KV caches are quantkit.engine's."""

@@ -101,14 +101,13 @@ def load(
     path: str | Path,
     device: Optional[str | torch.device] = None,
     dtype: Optional[torch.dtype] = None,
-    kv_bits: Optional[int] = None,
-    kv_scales: str = "online",
     cache_dequantized: Optional[bool] = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Load a quantkit checkpoint; returns (model, tokenizer).
 
     `device` defaults to CUDA when present, else the CPU; `dtype` (of activations and unquantized
-    tensors) to float16 on CUDA and float32 on the CPU. `kv_bits` 8 or 4 attaches a quantized KV cache.
+    tensors) to float16 on CUDA and float32 on the CPU. Its KV cache is transformers' own (unquantized):
+    quantized KV caches are the engine's (`quantkit.pipeline`, `EngineConfig(kv_bits=...)`).
     `cache_dequantized` (default: on the CPU) keeps each layer's dequantized weight after its first
     use in the reference path, trading the memory saving for speed.
     """
@@ -155,8 +154,4 @@ def load(
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     log.info("loaded %s: %d quantized linears on %s", path, n, device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    if kv_bits is not None and kv_bits != 16:
-        from quantkit.runtime.kv_cache import attach_kv_cache
-
-        attach_kv_cache(model, path, kv_bits, kv_scales)
     return model, tokenizer

@@ -57,7 +57,7 @@ def test_static_perplexity_is_close_to_fp_and_not_online(with_stats, text_file):
     online = engine_perplexity(model, tok, **args, kv_bits=8).ppl
     stats = str(with_stats / "quantkit" / "kv_stats.safetensors")
     static = engine_perplexity(model, tok, **args, kv_bits=8, kv_scales="static", kv_stats=stats)
-    assert static.kv == "engine KV8 static"
+    assert static.kv == "KV8 static per head"
     assert static.ppl != online and abs(static.ppl / fp - 1) > 1e-6 and abs(static.ppl / fp - 1) < 0.02
 
 
@@ -79,7 +79,7 @@ def test_statistics_of_another_model_are_refused(with_stats, tmp_path):
                                         kv_stats=str(other)))
 
 
-def test_cli_eval_ppl_engine_static(with_stats, tiny_models, text_file, monkeypatch, capsys):
+def test_cli_eval_ppl_static(with_stats, tiny_models, text_file, monkeypatch, capsys):
     import json
     import sys
 
@@ -92,10 +92,37 @@ def test_cli_eval_ppl_engine_static(with_stats, tiny_models, text_file, monkeypa
         captured = capsys.readouterr()
         return exc.value.code, captured.out, captured.err
 
-    base = ["--engine", "--dataset", str(text_file), "--seqlen", "32", "--windows", "1",
+    base = ["--dataset", str(text_file), "--seqlen", "32", "--windows", "1",
             "--device", "cpu", "--kv-bits", "8", "--kv-scales", "static"]
     code, out, err = run(["eval", "ppl", str(with_stats), *base, "--json"])
     assert code in (0, None), err
-    assert [r["kv"] for r in json.loads(out)["rows"]] == ["engine KV8 static"]
+    assert [r["kv"] for r in json.loads(out)["rows"]] == ["KV16", "KV8 static per head"]
     code, _, err = run(["eval", "ppl", str(tiny_models["llama"]), *base])
     assert code == 2 and "kv-calibrate" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_key_centres_load_with_the_model(with_stats, tmp_path, caplog):
+    """load_decoder gives every attention layer the midpoints of its calibrated key ranges; a rotated pool
+    subtracts them, which leaves the logits as they were (exact at KV16); statistics of another shape are
+    logged and skipped."""
+    from decoder_check import engine_logits, make_prompts
+    from quantkit.engine.kv_scales import key_centers
+    from quantkit.engine.model import load_decoder
+
+    model, _, _ = load_decoder(with_stats, "cpu", torch.float32)
+    for layer, want in zip(model.model.layers, key_centers(read_kv_stats(with_stats))):
+        assert torch.equal(layer.self_attn.attn.k_center, want) and want.abs().sum() > 0
+    prompts, decode = make_prompts()
+    with torch.no_grad():
+        centred = engine_logits(model, prompts, decode, "hadamard")
+        plain = engine_logits(model, prompts, decode, "none")
+    for c_seq, p_seq in zip(centred, plain):
+        for c, p in zip(c_seq, p_seq):
+            torch.testing.assert_close(c, p, rtol=1e-4, atol=1e-4)
+
+    other = shutil.copytree(with_stats, tmp_path / "other")
+    t = torch.randn(1, 3, 4)
+    write_kv_stats(KVStats(t, t + 1, t.abs(), t, t + 1, t.abs(), tokens=8, windows=1), other)
+    model, _, _ = load_decoder(other, "cpu", torch.float32)
+    assert all(layer.self_attn.attn.k_center is None for layer in model.model.layers)
+    assert "not centred" in caplog.text

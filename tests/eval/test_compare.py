@@ -27,19 +27,21 @@ def test_compare_table_report_and_chart(checkpoints, text_file, tmp_path):
     out = tmp_path / "report.md"
     res = compare(src, [rtn, int8], [str(text_file)], seqlen=64, windows=2, kv_bits=[16, 8], output=out, progress=False)
     names = [(r.name, r.method, r.kv) for r in res.rows]
-    assert names == [("llama", "fp", "fp"), ("llama", "fp", "KV8 online"), ("rtn", "rtn", "fp"),
-                     ("rtn", "rtn", "KV8 online"), ("int8", "int8", "fp"), ("int8", "int8", "KV8 online")]
-    fp, rtn_row, int8_row = res.rows[0], res.rows[2], res.rows[4]
-    assert fp.top1_agreement is None and fp.delta_pct == {}
+    assert names == [("llama", "fp", "KV16"), ("llama", "fp", "KV8 per token"), ("rtn", "rtn", "KV16"),
+                     ("rtn", "rtn", "KV8 per token"), ("int8", "int8", "KV16"), ("int8", "int8", "KV8 per token")]
+    fp, fp_kv8, rtn_row, int8_row = res.rows[0], res.rows[1], res.rows[2], res.rows[4]
+    assert fp.top1 == {} and fp.kl == {} and fp.delta_pct == {} and res.reference == "llama at KV16"
     assert (rtn_row.bits, rtn_row.group_size, int8_row.bits, int8_row.group_size) == (4, 32, 8, -1)
     assert rtn_row.size_bytes < int8_row.size_bytes < fp.size_bytes
     d = text_file.name
     assert rtn_row.delta_pct[d] == pytest.approx(100 * (rtn_row.ppl[d] / fp.ppl[d] - 1))
-    # int8 weights stay closer to the fp model than 4-bit ones, in predictions as in perplexity
-    assert 0.5 < rtn_row.top1_agreement <= int8_row.top1_agreement <= 1.0
+    # int8 weights stay closer to the fp model than 4-bit ones, in distributions, predictions and perplexity;
+    # the fp model's own KV8 rows closer still
+    assert 0 < fp_kv8.kl[d] < int8_row.kl[d] < rtn_row.kl[d]
+    assert 0.5 < rtn_row.top1[d] <= int8_row.top1[d] <= fp_kv8.top1[d] <= 1.0
     assert abs(int8_row.delta_pct[d]) < abs(rtn_row.delta_pct[d])
     text = out.read_text()
-    assert "| rtn | rtn | 4 | 32 | fp |" in text and "top-1 agreement" in text
+    assert "| rtn | rtn | 4 | 32 | KV16 |" in text and f"KL {d}" in text and f"top-1 {d}" in text
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -57,16 +59,23 @@ def run_cli(monkeypatch, capsys, *args):
 def test_eval_ppl_json(checkpoints, text_file, monkeypatch, capsys):
     src, rtn, _ = checkpoints
     code, out, err = run_cli(monkeypatch, capsys, "eval", "ppl", src, rtn, "--dataset", text_file,
-                             "--seqlen", 64, "--windows", 2, "--kv-bits", 4, "--json")
+                             "--seqlen", 64, "--windows", 2, "--kv-bits", 4, "--kv-rotation", "auto", "--json")
     assert code == 0, err
-    rows = json.loads(out)["rows"]
-    assert [r["kv"] for r in rows] == ["KV4 online (K per channel, g32)"] * 2 and all(r["ppl"][text_file.name] > 1 for r in rows)
+    result = json.loads(out)
+    rows, d = result["rows"], text_file.name
+    assert [(r["name"], r["kv"]) for r in rows] == [("llama", "KV16"), ("llama", "KV4 per token, keys rotated"),
+                                                    ("rtn", "KV16"), ("rtn", "KV4 per token, keys rotated")]
+    assert all(r["ppl"][d] > 1 for r in rows) and result["reference"] == "each model's KV16 row"
+    # each model's KV4 row against its own KV16 row, not against the first model
+    assert rows[3]["delta_pct"][d] == pytest.approx(100 * (rows[3]["ppl"][d] / rows[2]["ppl"][d] - 1))
+    assert rows[1]["kl"][d] > 0 and rows[3]["kl"][d] > 0 and rows[2]["kl"] == {}
 
 
 @pytest.mark.parametrize("case,needle", [
     ("not-a-checkpoint", "is not a quantized checkpoint"),
     ("missing-dataset", "does not exist"),
     ("kv-bits-3", "--kv-bits 3 is not supported"),
+    ("kv-rotation", "--kv-rotation 'random' is not supported"),
     ("static-without-stats", "kv-calibrate"),
 ])
 def test_bad_input_is_one_line_and_exit_2(checkpoints, text_file, tmp_path, monkeypatch, capsys, case, needle):
@@ -75,6 +84,7 @@ def test_bad_input_is_one_line_and_exit_2(checkpoints, text_file, tmp_path, monk
         "not-a-checkpoint": ["compare", src, src, "--dataset", text_file],
         "missing-dataset": ["eval", "ppl", rtn, "--dataset", tmp_path / "nope.txt"],
         "kv-bits-3": ["eval", "ppl", rtn, "--dataset", text_file, "--kv-bits", 3],
+        "kv-rotation": ["compare", src, rtn, "--dataset", text_file, "--kv-bits", 4, "--kv-rotation", "random"],
         "static-without-stats": ["eval", "ppl", src, "--dataset", text_file, "--kv-bits", 8, "--kv-scales", "static"],
     }[case]
     code, out, err = run_cli(monkeypatch, capsys, *args)
@@ -104,6 +114,6 @@ def test_report_without_matplotlib(checkpoints, text_file, tmp_path, monkeypatch
     code, stdout, err = run_cli(monkeypatch, capsys, "compare", src, rtn, "--dataset", text_file, "--seqlen", 64,
                                 "--windows", 1, "-q", "--output", out)
     assert code == 0, err
-    assert "| rtn | rtn | 4 | 32 | fp |" in out.read_text() and NO_CHART in out.read_text()
+    assert "| rtn | rtn | 4 | 32 | KV16 |" in out.read_text() and NO_CHART in out.read_text()
     assert not out.with_suffix(".png").exists()
     assert f"wrote {out}\n" in stdout and "pip install matplotlib" in caplog.text

@@ -1,13 +1,17 @@
-"""Perplexity through the engine: with an unquantized pool it is the transformers model's, by the same
-protocol; a quantized pool moves it (int4 more than int8), and chunked prefills read the earlier chunks'
-codes exactly as one prefill reads its own."""
+"""Perplexity through the engine, what `eval ppl` runs by default: with an unquantized pool it is the
+transformers model's, by the same protocol; a quantized pool moves it (int4 more than int8); chunked
+prefills read the earlier chunks' codes exactly as one prefill reads its own; the CLI's figures are the
+engine's, and `--reference` is transformers' own model."""
+
+import json
+import sys
 
 import pytest
 import torch
 
 from quantkit.config import UserError
 from quantkit.engine.model import load_decoder
-from quantkit.eval.engine_perplexity import engine_perplexity
+from quantkit.eval.engine_perplexity import engine_perplexity, engine_runner
 from quantkit.eval.perplexity import perplexity
 
 
@@ -23,17 +27,24 @@ def test_unquantized_pool_equals_transformers_and_quantized_pools_move_it(decode
     model, tok = decoder
     args = dict(dataset=str(text_file), seqlen=64, windows=3, progress=False)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_models["qwen2"]), dtype=torch.float32).eval()
-    ref = perplexity(hf, tok, **args, kv_bits=16)
+    ref = perplexity(hf, tok, **args)
     fp = engine_perplexity(model, tok, **args, kv_bits=16)
-    assert fp.tokens == ref.tokens == 3 * 63 and fp.kv == "engine fp"
+    assert fp.tokens == ref.tokens == 3 * 63 and fp.kv == "KV16"
     assert fp.ppl == pytest.approx(ref.ppl, rel=1e-4)
-    kv8 = engine_perplexity(model, tok, **args, kv_bits=8).ppl
-    kv4 = engine_perplexity(model, tok, **args, kv_bits=4).ppl
-    assert abs(kv8 / fp.ppl - 1) > 1e-5  # an unquantized pool would give fp's figure to float noise
-    assert abs(kv8 / fp.ppl - 1) < 0.01
-    # the same per-token int8 codes as the transformers path's quantized cache (runtime/kv_quant)
-    assert kv8 == pytest.approx(perplexity(hf, tok, **args, kv_bits=8).ppl, rel=1e-4)
-    assert abs(kv4 / fp.ppl - 1) > 2 * abs(kv8 / fp.ppl - 1)
+    kv8 = engine_perplexity(model, tok, **args, kv_bits=8)
+    kv4 = engine_perplexity(model, tok, **args, kv_bits=4)
+    assert (kv8.kv, kv4.kv) == ("KV8 per token", "KV4 per token, keys rotated")
+    assert abs(kv8.ppl / fp.ppl - 1) > 1e-5  # an unquantized pool would give fp's figure to float noise
+    assert abs(kv8.ppl / fp.ppl - 1) < 0.01
+    assert abs(kv4.ppl / fp.ppl - 1) > 2 * abs(kv8.ppl / fp.ppl - 1)
+
+
+@pytest.mark.xfail(strict=True, reason="ModelRunner._allocate does not yet pass rotation=config.kv_rotation "
+                                       "to PagedKV.allocate (issue #27, for the lead)")
+def test_kv_rotation_setting_reaches_the_pool(decoder):
+    model, _ = decoder
+    assert engine_runner(model, 4, 64, kv_rotation="none").kv_caches[0].rotation is None
+    assert engine_runner(model, 8, 64, kv_rotation="hadamard").kv_caches[0].rotation is not None
 
 
 def test_chunked_prefill_reads_the_same_codes(decoder, text_file):
@@ -51,8 +62,6 @@ def test_window_longer_than_the_context_is_refused(decoder, text_file):
 
 
 def run_cli(argv, monkeypatch, capsys):
-    import sys
-
     from quantkit.cli import main
 
     monkeypatch.setattr(sys, "argv", ["quantkit", *argv])
@@ -62,16 +71,27 @@ def run_cli(argv, monkeypatch, capsys):
     return exc.value.code, captured.out, captured.err
 
 
-def test_cli_eval_ppl_engine(tiny_models, text_file, monkeypatch, capsys):
-    import json
-
-    argv = ["eval", "ppl", str(tiny_models["llama"]), "--engine", "--dataset", str(text_file), "--seqlen", "32",
-            "--windows", "2", "--kv-bits", "16", "--kv-bits", "8", "--device", "cpu", "--json"]
-    code, out, err = run_cli(argv, monkeypatch, capsys)
+def test_cli_eval_ppl_runs_the_engine(tiny_models, text_file, monkeypatch, capsys):
+    """`eval ppl --kv-bits 4` gives the engine's KV4 figure, with its KV16 row as the reference of Δ %, KL
+    and top-1; `--reference` gives transformers' figure and refuses a quantized KV cache."""
+    path = tiny_models["llama"]
+    common = ["--dataset", str(text_file), "--seqlen", "32", "--windows", "2", "--device", "cpu", "--json"]
+    code, out, err = run_cli(["eval", "ppl", str(path), "--kv-bits", "4", *common], monkeypatch, capsys)
     assert code in (0, None), err
     result = json.loads(out)
-    rows, (name,) = result["rows"], result["datasets"]
-    assert [r["kv"] for r in rows] == ["engine fp", "engine KV8 online"]
-    assert rows[0]["tokens"][name] == 2 * 31 and rows[0]["ppl"][name] != rows[1]["ppl"][name]
-    code, _, err = run_cli(["eval", "ppl", str(text_file), "--engine"], monkeypatch, capsys)
-    assert code == 2 and "not a model directory" in err and "Traceback" not in err
+    (name,) = result["datasets"]
+    kv16, kv4 = result["rows"]
+    assert (kv16["kv"], kv4["kv"]) == ("KV16", "KV4 per token, keys rotated") and kv4["tokens"][name] == 2 * 31
+    model, tok, _ = load_decoder(path, "cpu")
+    engine = engine_perplexity(model, tok, str(text_file), seqlen=32, windows=2, kv_bits=4, progress=False)
+    assert kv4["ppl"][name] == pytest.approx(engine.ppl, rel=1e-9)
+    assert kv4["delta_pct"][name] == pytest.approx(100 * (kv4["ppl"][name] / kv16["ppl"][name] - 1))
+    assert kv4["kl"][name] > 0 and 0 < kv4["top1"][name] <= 1 and kv16["kl"] == {}
+
+    code, out, err = run_cli(["eval", "ppl", str(path), "--reference", *common], monkeypatch, capsys)
+    assert code in (0, None), err
+    (row,) = json.loads(out)["rows"]
+    assert row["kv"] == "KV16 (transformers)"
+    assert row["ppl"][name] == pytest.approx(kv16["ppl"][name], rel=1e-4)
+    code, _, err = run_cli(["eval", "ppl", str(path), "--reference", "--kv-bits", "4", *common], monkeypatch, capsys)
+    assert code == 2 and "no quantized KV cache" in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""The paged KV cache's torch reference against float64 math and runtime/kv_quant; the Triton kernels
+"""The paged KV cache's torch reference (quantkit's one KV codec) against float64 math; the Triton kernels
 (kernels/triton_paged.py) against the reference under TRITON_INTERPRET=1 (see conftest.py).
 
 Random K/V/Q (never zeros), contexts of different lengths with partial last blocks, random
@@ -17,9 +17,8 @@ import triton.language as tl
 
 from quantkit.config import UserError
 from quantkit.kernels import triton_paged
-from quantkit.kernels.paged_kv import (PagedKV, gather_kv, paged_decode_attention, paged_prefill_attention,
-                                       static_scales, write_kv)
-from quantkit.runtime import kv_quant
+from quantkit.kernels.paged_kv import (QMAX, PagedKV, gather_kv, pack_int4, paged_decode_attention,
+                                       paged_prefill_attention, quantize_per_token, static_scales, write_kv)
 
 BLOCK = 16
 
@@ -59,11 +58,15 @@ def filled_cache(lens, kv_heads, head_dim, bits, dtype, seed=0, spare_blocks=5):
 
 
 def stored_values(x, bits):
-    """What the cache should read back for x, through runtime/kv_quant (float64)."""
+    """What the cache should read back for x: its per-token codes decoded in float64."""
     if bits == 16:
         return x.double()
-    q, s, z = kv_quant.quantize_per_token(x, bits)
-    return kv_quant.decode(q, s, z, torch.float64)
+    q, s, z = quantize_per_token(x, bits)
+    return (q.double() - z.double()[..., None]) * s.double()[..., None]
+
+
+def pack(q, bits):
+    return pack_int4(q) if bits == 4 else q
 
 
 def attention64(q, k, v, sm_scale, causal_offset=None):
@@ -106,8 +109,28 @@ def test_bad_bits_are_user_errors():
 # ---- reference: write, gather
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_per_token_codes_against_float64(bits):
+    """Per row: the scale is an fp16 value just above range / qmax (range = [min(x, 0), max(x, 0)]), the zero
+    the integer code of 0, the codes round(x / s) + z; decoded, every value is within half a step."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(50, 3, 64, generator=g) * torch.rand(50, 3, 1, generator=g) * 5
+    x[7, 1] = x[7, 1].abs() + 0.1  # no negative value: the range starts at 0
+    q, s, z = quantize_per_token(x, bits)
+    x64 = x.double()
+    lo, hi = x64.amin(-1).clamp(max=0), x64.amax(-1).clamp(min=0)
+    exact = (hi - lo) / QMAX[bits]
+    s64, z64 = s.double(), z.double()
+    assert s.dtype == torch.float16 and ((s64 >= exact) & (s64 <= exact * (1 + 2 ** -8))).all()
+    assert torch.equal(z64, torch.round(-lo / s64)) and z64[7, 1] == 0
+    want = (torch.round(x64 / s64[..., None]) + z64[..., None]).clamp(0, QMAX[bits])
+    assert torch.equal(q.double(), want)
+    back = (q.double() - z64[..., None]) * s64[..., None]
+    assert ((back - x64).abs() <= s64[..., None] * (0.5 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_quantized_write_equals_runtime_kv_quant(reference_path, bits, dtype):
+def test_quantized_write_stores_per_token_codes(reference_path, bits, dtype):
     g = torch.Generator().manual_seed(1)
     k = (torch.randn(40, 2, 64, generator=g) * torch.rand(40, 2, 1, generator=g) * 4).to(dtype)
     v = (torch.randn(40, 2, 64, generator=g) + 0.5).to(dtype)  # mostly positive rows: zero near the bottom
@@ -116,11 +139,11 @@ def test_quantized_write_equals_runtime_kv_quant(reference_path, bits, dtype):
     slots = torch.randperm(4 * BLOCK, generator=g)[:40]
     write_kv(cache, k, v, slots)
     for x, codes, scale, zero in ((k, cache.k, *cache.by_slot("k")), (v, cache.v, *cache.by_slot("v"))):
-        q, s, z = kv_quant.quantize_per_token(x, bits)
+        q, s, z = quantize_per_token(x, bits)
         stored = codes.view(-1, 2, codes.shape[-1])[slots]
-        assert torch.equal(stored, kv_quant.pack(q, bits))
-        assert torch.equal(scale.reshape(-1, 2)[slots], s[..., 0])
-        assert torch.equal(zero.reshape(-1, 2)[slots], z[..., 0])
+        assert torch.equal(stored, pack(q, bits))
+        assert torch.equal(scale.reshape(-1, 2)[slots], s)
+        assert torch.equal(zero.reshape(-1, 2)[slots], z)
 
 
 def test_negative_slots_are_skipped(reference_path):
@@ -142,7 +165,7 @@ def test_gather_reads_back_what_was_written(reference_path, bits):
         torch.testing.assert_close(k.double(), stored_values(ks[b], bits), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(v.double(), stored_values(vs[b], bits), rtol=1e-6, atol=1e-6)
         if bits != 16:  # and the codes are within half a step (plus the fp16 scale's rounding) of the input
-            step = (ks[b].amax(-1) - ks[b].amin(-1).clamp(max=0)).clamp(min=0) / kv_quant.QMAX[bits]
+            step = (ks[b].amax(-1) - ks[b].amin(-1).clamp(max=0)).clamp(min=0) / QMAX[bits]
             assert ((k - ks[b]).abs() <= step[..., None] * 0.51 + 1e-6).all()
 
 
@@ -287,19 +310,17 @@ def static_ranges(kv_heads, head_dim, seed):
     return lo, hi
 
 
-def test_static_scales_are_the_runtime_codecs_per_head():
-    """Per-head scale and zero equal runtime/kv_codec's static codec without per-channel scales."""
-    from quantkit.runtime.kv_codec import static_codec
-
+def test_static_scales_span_each_heads_range():
+    """One scale and zero per head, from the range over its channels: just above range / qmax, and the
+    codes span the range to half a step at either end (the zero is rounded)."""
     for bits in (8, 4):
         (klo, khi), (vlo, vhi) = static_ranges(3, 16, 1), static_ranges(3, 16, 2)
         ks, kz, vs, vz = static_scales(klo, khi, vlo, vhi, bits)
         assert ks.dtype == torch.float16 and kz.dtype == torch.uint8 and ks.shape == (3,)
         for (lo, hi), s, z in (((klo, khi), ks, kz), ((vlo, vhi), vs, vz)):
-            codec = static_codec(lo, hi, bits, per_channel=False)
-            assert torch.equal(codec.scale.flatten(), s.float()) and torch.equal(codec.zero.flatten(), z.float())
-            # the codes span the head's range, to half a step at the top (the zero is rounded)
-            assert (s.float() * (kv_quant.QMAX[bits] - z.float() + 0.5) >= hi.amax(-1)).all()
+            exact = (hi.amax(-1).double() - lo.amin(-1).double()) / QMAX[bits]
+            assert ((s.double() >= exact) & (s.double() <= exact * (1 + 2 ** -8))).all()
+            assert (s.float() * (QMAX[bits] - z.float() + 0.5) >= hi.amax(-1)).all()
             assert (-s.float() * (z.float() + 0.5) <= lo.amin(-1)).all()
 
 
@@ -319,12 +340,12 @@ def test_static_write_uses_the_heads_scales(reference_path, bits):
                                         (v, cache.v, *cache.by_slot("v"), *static[2:])):
         assert torch.equal(scale.reshape(-1, kv_heads)[slots], s.expand(20, kv_heads))
         assert torch.equal(zero.reshape(-1, kv_heads)[slots], z.expand(20, kv_heads))
-        want = (torch.round(x / s.float()[:, None]) + z.float()[:, None]).clamp(0, kv_quant.QMAX[bits])
-        assert torch.equal(codes.view(-1, kv_heads, codes.shape[-1])[slots], kv_quant.pack(want.to(torch.uint8), bits))
+        want = (torch.round(x / s.float()[:, None]) + z.float()[:, None]).clamp(0, QMAX[bits])
+        assert torch.equal(codes.view(-1, kv_heads, codes.shape[-1])[slots], pack(want.to(torch.uint8), bits))
     # Reading back: within half a step where the value lies in the head's range; the outlier clipped.
     k_back, _ = gather_kv(cache, torch.arange(3, dtype=torch.int32), 3 * BLOCK, torch.float32)
     k_back = k_back[slots]
-    top = (kv_quant.QMAX[bits] - static[1].float()) * static[0].float()
+    top = (QMAX[bits] - static[1].float()) * static[0].float()
     assert k_back[2, 0, 5] == top[0]
     inside = (k >= (-static[1].float() * static[0].float())[:, None]) & (k <= top[:, None])
     err = (k_back - k).abs()[inside]

@@ -1,5 +1,5 @@
 """What other engines see in an export: only weight shards at the root, vLLM's fp8 KV scales beside the
-compressed-tensors weights (and nowhere else), the KV statistics where quantkit's runtime finds them
+compressed-tensors weights (and nowhere else), the KV statistics where quantkit's engine finds them
 (new and old layouts), and an `architectures` entry even when the source config had none."""
 
 import json
@@ -14,7 +14,6 @@ from quantkit.formats.kv_stats import FILE_NAME, LEGACY_FILE_NAME, read_kv_stats
 from quantkit.models.loading import LoadedModel
 from quantkit.models.registry import spec_for_config
 from quantkit.quantize.export import export_config
-from quantkit.runtime.kv_cache import kv_cache_factory
 from tiny import make_tiny_model, make_tokenizer
 
 
@@ -78,11 +77,16 @@ def test_runtime_finds_static_stats_in_both_layouts(exports, tmp_path, layout):
     if layout == "old":  # a checkpoint written before the statistics moved into quantkit/
         (ckpt / FILE_NAME).rename(ckpt / LEGACY_FILE_NAME)
         (ckpt / FILE_NAME).parent.rmdir()
-    model, tok = quantkit.load(ckpt, device="cpu", kv_bits=8, kv_scales="static")
-    stats = kv_cache_factory(model).settings.stats
-    assert torch.equal(stats.k_max, expected.k_max) and torch.equal(stats.v_min, expected.v_min)
-    ids = tok("the cache keeps keys", return_tensors="pt")["input_ids"]
-    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] == ids.shape[1] + 2
+    from quantkit.engine import Engine, EngineConfig, SamplingParams
+    from quantkit.kernels.paged_kv import static_scales
+
+    engine = Engine(ckpt, EngineConfig(device="cpu", num_kv_tokens=64, kv_bits=8, kv_scales="static"))
+    for i, pool in enumerate(engine.runner.kv_caches):
+        want = static_scales(expected.k_min[i], expected.k_max[i], expected.v_min[i], expected.v_max[i], 8)
+        assert all(torch.equal(got, w) for got, w in zip(pool.static, want))
+    (out,) = engine.generate(["the cache keeps keys"], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                             progress=False)
+    assert len(out.token_ids) == 2
 
 
 def test_rewriting_stats_moves_an_old_layout_out_of_the_weight_namespace(exports, tmp_path):
