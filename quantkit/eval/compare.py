@@ -110,11 +110,11 @@ def _measure(settings: list[_Setting], texts: dict[str, str], seqlen: int, windo
     """Fill each row's perplexity per dataset; with `reference`, settings[0] is the reference row and the
     others whose windows are the same tokens get KL and top-1 against it."""
     for name, text in texts.items():
-        tokens: dict[int, torch.Tensor] = {}
+        tokens: dict[str, torch.Tensor] = {}
         for s in settings:  # tokenized once per model
-            if id(s.em) not in tokens:
-                tokens[id(s.em)] = evaluation_windows(tokenize_text(s.em.tokenizer, text), seqlen, windows)
-        wins = [tokens[id(s.em)] for s in settings]
+            if s.em.path not in tokens:
+                tokens[s.em.path] = evaluation_windows(tokenize_text(s.em.tokenizer, text), seqlen, windows)
+        wins = [tokens[s.em.path] for s in settings]
         divs = [Divergence() if reference and j and torch.equal(w, wins[0]) else None for j, w in enumerate(wins)]
         nll = [0.0] * len(settings)
         for i in tqdm(range(max(len(w) for w in wins)), desc=name, disable=not progress, unit="window"):

@@ -2,8 +2,10 @@
 
 The file holds six float32 tensors of shape [layers, kv_heads, head_dim] — `k_min`, `k_max`,
 `k_absmax`, `v_min`, `v_max`, `v_absmax` — reduced over every calibration token, and two int64
-scalars, `tokens` and `windows`. Per-head figures are reductions over the last axis; keeping the
-channels lets a KV4 cache give keys per-channel scales (keys carry a few outlier channels).
+scalars, `tokens` and `windows`; and `k_mean`, the mean of each key channel (same shape), which KV4 pools
+subtract from keys before rotating them (kernels/kv_rotation.py; older files lack it: recalibrate).
+Per-head figures are reductions over the last axis; keeping the channels keeps the outlier channels
+keys carry visible.
 
 It lives in a `quantkit/` subfolder of the checkpoint, not at its root: transformers, vLLM and
 lmdeploy read every `*.safetensors` at the root as weights when there is no index (vLLM then
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -42,6 +44,7 @@ class KVStats:
     v_absmax: torch.Tensor
     tokens: int
     windows: int
+    k_mean: Optional[torch.Tensor] = None  # None in files written before it was recorded
 
     @property
     def num_layers(self) -> int:
@@ -58,6 +61,8 @@ class KVStats:
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors as written to the file."""
         out = {name: getattr(self, name).to(torch.float32, copy=True).contiguous() for name in RANGE_NAMES}
+        if self.k_mean is not None:
+            out["k_mean"] = self.k_mean.to(torch.float32, copy=True).contiguous()
         out["tokens"] = torch.tensor(self.tokens, dtype=torch.int64)
         out["windows"] = torch.tensor(self.windows, dtype=torch.int64)
         return out
@@ -70,7 +75,11 @@ class KVStats:
         shapes = {tuple(tensors[n].shape) for n in RANGE_NAMES}
         if len(shapes) != 1 or len(next(iter(shapes))) != 3:
             raise KVStatsError(f"{origin} has range tensors of shapes {sorted(shapes)}, not one [layers, heads, dim]")
-        return cls(*(tensors[n].float() for n in RANGE_NAMES), int(tensors["tokens"]), int(tensors["windows"]))
+        mean = tensors.get("k_mean")
+        if mean is not None and tuple(mean.shape) != next(iter(shapes)):
+            raise KVStatsError(f"{origin} has k_mean of shape {tuple(mean.shape)}, not {next(iter(shapes))}")
+        return cls(*(tensors[n].float() for n in RANGE_NAMES), int(tensors["tokens"]), int(tensors["windows"]),
+                   None if mean is None else mean.float())
 
     def summary(self) -> dict[str, Any]:
         """A compact description for quant_report.json: sizes and per-layer maxima of |K| and |V|."""

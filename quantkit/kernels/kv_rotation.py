@@ -4,9 +4,9 @@ Per-token int4 codes give a token one step for all its channels, and a few outli
 larger than the rest, most of it a fixed offset, common after RoPE) set that step: the other channels
 keep one or two codes. Two exact transformations of attention take the outliers out of the codes:
 
-- centring: every key is shifted by a fixed per-channel vector μ (the midpoint of each channel's
-  calibrated range, where the checkpoint has KV statistics: engine/kv_scales.key_centers). A query's
-  scores all move by the same q·μ, which softmax ignores, while the codes no longer span the offset.
+- centring: every key is shifted by a fixed per-channel vector μ (each channel's calibrated mean, where
+  the checkpoint has KV statistics: engine/kv_scales.key_centers). A query's scores all move by the same
+  q·μ, which softmax ignores, while the codes no longer span the offset.
 - rotation: a Hadamard matrix mixes every channel into every other, so a rotated key's range shrinks
   toward its norm and each code carries information (QuaRot, SpinQuant). q gets the same rotation,
   and q·k = qR·kR when R·Rᵀ = I.

@@ -30,13 +30,17 @@ log = logging.getLogger(__name__)
 
 
 class _RangeObserver:
-    """Running per-layer reductions of K and V over batch and tokens, each [heads, head_dim]."""
+    """Running per-layer reductions of K and V over batch and tokens, each [heads, head_dim]: ranges, and
+    the sum and count of K for its mean."""
 
     def __init__(self) -> None:
         self.ranges: dict[int, dict[str, torch.Tensor]] = {}
+        self.k_sums: dict[int, tuple[torch.Tensor, int]] = {}
         self.tokens = 0
 
     def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        total, count = self.k_sums.get(layer, (0.0, 0))
+        self.k_sums[layer] = (total + k.double().sum(dim=(0, 2)), count + k.shape[0] * k.shape[2])
         new = {}
         for prefix, x in (("k", k.float()), ("v", v.float())):
             new[f"{prefix}_min"] = x.amin(dim=(0, 2))
@@ -52,7 +56,9 @@ class _RangeObserver:
         if not self.ranges:
             raise RuntimeError("no attention layer reported K/V states: the model does not use a transformers Cache")
         layers = [self.ranges[i] for i in sorted(self.ranges)]
-        return KVStats(*(torch.stack([r[n].cpu() for r in layers]) for n in RANGE_NAMES), self.tokens, windows)
+        sums = [self.k_sums[i] for i in sorted(self.ranges)]
+        mean = torch.stack([(total / count).float().cpu() for total, count in sums])
+        return KVStats(*(torch.stack([r[n].cpu() for r in layers]) for n in RANGE_NAMES), self.tokens, windows, mean)
 
 
 class _ObservingLayer(CacheLayerMixin):

@@ -155,19 +155,20 @@ def block_error(layer: torch.nn.Module, batches: list[Batch], targets: list[torc
 
 
 @contextlib.contextmanager
-def _learning(layer: torch.nn.Module) -> Iterator[None]:
-    """The block in fp32 with frozen parameters while it learns; back as it was afterwards."""
-    dtype = next(layer.parameters()).dtype
-    flags = [(p, p.requires_grad) for p in layer.parameters()]
-    for p, _ in flags:
+def _learning(layer: torch.nn.Module, replaced: set[str]) -> Iterator[None]:
+    """The block's parameters frozen, and in fp32 but for the `replaced` ones (the learned weights take
+    their place), while it learns; exactly as they were afterwards."""
+    saved = [(p, p.data, p.requires_grad) for p in layer.parameters()]
+    for name, p in layer.named_parameters():
         p.requires_grad_(False)
-    layer.float()
+        if name not in replaced:
+            p.data = p.data.float()
     try:
         with torch.enable_grad():
             yield
     finally:
-        layer.to(dtype)
-        for p, flag in flags:
+        for p, data, flag in saved:
+            p.data = data
             p.requires_grad_(flag)
 
 
@@ -201,7 +202,8 @@ def learn_block(layer: torch.nn.Module, prefix: str, rounded: dict[str, torch.Te
     """Learn the rounding of the block's linears from the `start` codes ({full module name: ...}).
 
     `rounded` ({name in the block: weight}) are the weights the start codes are the nearest codes of
-    (finalize.py: W with AWQ's scales folded in, and GPTQ's errors fed back where its codes are kept);
+    (finalize.py: W with AWQ's scales folded in, and GPTQ's errors fed back where its codes are kept),
+    taken out of the dict as they are used;
     `batches` are the block's inputs as the pass holds them and `targets` the unquantized block's
     outputs on them. The layer holds the start codes' dequantized weights and is left holding the
     chosen codes' ones. `compute()` is the context of the pass's own forwards, by which both codes are
@@ -212,12 +214,12 @@ def learn_block(layer: torch.nn.Module, prefix: str, rounded: dict[str, torch.Te
     t0 = time.perf_counter()
     loss_start = block_error(layer, batches, targets, compute)
     start = {full[len(prefix) + 1 :]: qw for full, qw in start.items()}
-    learned = {name: LearnedWeight(rounded[name], qw) for name, qw in start.items()}
+    learned = {name: LearnedWeight(rounded.pop(name), qw) for name, qw in start.items()}  # anchors replace them
     autocast = _autocast(batches[0][0].device, compute)
     params = [p for lw in learned.values() for p in lw.parameters()]
     generator = torch.Generator().manual_seed(seed)
     step_losses = []
-    with _learning(layer):
+    with _learning(layer, {f"{name}.weight" for name in learned}):
         for step, (hidden, kwargs, target) in enumerate(_minibatches(batches, targets, cfg.batch, cfg.steps, generator)):
             with autocast():
                 weights = {f"{name}.weight": lw.dequantized() for name, lw in learned.items()}

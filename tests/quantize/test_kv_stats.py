@@ -29,3 +29,27 @@ def test_rtn_without_kv_calib_writes_no_stats(tiny_models, tmp_path):
                             work_dir=tmp_path / "q", progress=False)
     assert not (res.work_dir / FILE_NAME).exists()
     assert "kv_stats" not in json.loads((res.work_dir / "quant_report.json").read_text())
+
+
+def test_key_means_are_the_mean_of_every_cached_key(tiny_models, tmp_path):
+    """k_mean is each channel's mean over every token of every window, as transformers' own cache holds
+    the keys; it survives the file (and a file without it reads as None, as older files do)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from quantkit.formats.kv_stats import KVStats, write_kv_stats
+    from quantkit.quantize.kv_stats import collect_kv_stats
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_models["qwen3"]), dtype=torch.float32).eval()
+    windows = torch.randint(3, 300, (3, 24), generator=torch.Generator().manual_seed(0))
+    stats = collect_kv_stats(model, windows, progress=False)
+    keys = []
+    with torch.no_grad():
+        for w in windows:
+            cache = DynamicCache(config=model.config)
+            model(w[None], use_cache=True, cache=cache)
+            keys.append(torch.stack([layer.keys[0].double() for layer in cache.layers]))  # [layers, heads, T, D]
+    want = torch.cat(keys, dim=2).mean(dim=2).float()
+    torch.testing.assert_close(stats.k_mean, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(read_kv_stats(write_kv_stats(stats, tmp_path / "s.safetensors")).k_mean, stats.k_mean)
+    old = KVStats(stats.k_min, stats.k_max, stats.k_absmax, stats.v_min, stats.v_max, stats.v_absmax, 72, 3)
+    assert read_kv_stats(write_kv_stats(old, tmp_path / "old.safetensors")).k_mean is None

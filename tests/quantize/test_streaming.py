@@ -105,7 +105,7 @@ def test_streamed_kv_stats_equal_a_full_pass_over_the_quantized_model(tiny_model
     got = read_kv_stats(res.work_dir)
     want = collect_kv_stats(loaded.model, calib[:16], progress=False)
     assert got.tokens == want.tokens == 16 * 32 and got.windows == 16
-    for name in ("k_min", "k_max", "k_absmax", "v_min", "v_max", "v_absmax"):
+    for name in ("k_min", "k_max", "k_absmax", "v_min", "v_max", "v_absmax", "k_mean"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-4, atol=1e-5)
     # The fp model's statistics differ: the stats really are the quantized model's.
     fp = load_fp_model(tiny_models["qwen3"], dtype=torch.float32)
