@@ -106,7 +106,8 @@ class ModelRunner:
     def _allocate(self, num_blocks: int) -> None:
         static = pool_static_scales(self.config, self.num_layers, self.kv_heads, self.head_dim)
         caches = [PagedKV.allocate(num_blocks, self.block_size, self.kv_heads, self.head_dim, self.config.kv_bits,
-                                   self.dtype, self.device, static=static[i] if static else None)
+                                   self.dtype, self.device, static=static[i] if static else None,
+                                   rotation=self.config.kv_rotation)
                   for i in range(self.num_layers)]
         self.model.set_kv_caches(caches)
         self.kv_caches = caches

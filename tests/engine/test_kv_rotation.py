@@ -134,3 +134,20 @@ def test_graph_replays_read_a_rotated_pool_as_eager_steps_do(tiny_models):
 
     assert tokens(graphs=True) == tokens(graphs=False)
     assert EagerGraph.replays >= 5 and pieces  # decode steps replayed graphs, prefills ran as pieces
+
+
+@pytest.mark.parametrize("setting, bits, rotated", [("auto", 4, True), ("none", 4, False), ("hadamard", 8, True),
+                                                    ("auto", 8, False)])
+def test_the_runner_gives_its_pools_the_configured_rotation(tiny_models, setting, bits, rotated):
+    """`--kv-rotation` reaches every layer's pool (auto: rotated at 4 bits only); `none` at 4 bits stores
+    lmdeploy's plain codes, which code the same keys differently from the rotated pool."""
+    from quantkit.eval.engine_perplexity import engine_runner, window_logits
+
+    model, _, _ = load_decoder(tiny_models["llama"], "cpu", torch.float32)
+    runner = engine_runner(model, bits, 64, kv_rotation=setting)
+    assert all((pool.rotation is not None) == rotated for pool in runner.kv_caches)
+    if setting == "none":
+        window = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(0))
+        plain = window_logits(runner, window)
+        other = window_logits(engine_runner(model, bits, 64, kv_rotation="auto"), window)
+        assert not torch.equal(plain, other)
