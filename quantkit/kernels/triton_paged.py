@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -336,16 +337,41 @@ def num_partitions(batch: int, kv_heads: int, max_tokens: int, device: torch.dev
     return max(1, min(want, math.ceil(max_tokens / block_n), MAX_PARTITIONS))
 
 
+def decode_variant(group: int, kernel: str | None = None) -> str:
+    """Which decode kernel runs: "dot" (decode_kernel) or "rows" (triton_paged_rows: no tl.dot, for
+    query groups of at most MAX_GROUP rows). None: QUANTKIT_DECODE_KERNEL if set, else "dot"; "rows",
+    asked for by the variable, applies only where the group is small enough."""
+    from quantkit.kernels.triton_paged_rows import MAX_GROUP
+
+    if kernel is None:
+        kernel = os.environ.get("QUANTKIT_DECODE_KERNEL", "dot").strip().lower() or "dot"
+        if kernel == "rows" and group > MAX_GROUP:
+            kernel = "dot"
+    if kernel not in ("dot", "rows"):
+        raise ValueError(f"unknown decode kernel {kernel!r}: choose 'dot' or 'rows'")
+    if kernel == "rows" and group > MAX_GROUP:
+        raise ValueError(f"the 'rows' decode kernel takes at most {MAX_GROUP} query heads per kv head, not {group}")
+    return kernel
+
+
 def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens: Tensor, sm_scale: float,
-                           partitions: int | None = None, block_n: int = 64, num_warps: int = 4) -> Tensor:
+                           partitions: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                           kernel: str | None = None) -> Tensor:
     """Triton form of paged_kv.paged_decode_attention; `partitions` overrides `num_partitions`, and
-    `block_n` (tokens per tile) and `num_warps` are the kernel's tile settings (not measured on a GPU
-    yet: bench/probes/paged_attention.py times the alternatives)."""
+    `block_n` (tokens per tile) and `num_warps` the variant's tile settings (dot: 64 and 4, rows:
+    triton_paged_rows.BLOCK_N and NUM_WARPS; bench/probes/paged_attention.py times the alternatives);
+    `kernel` picks the variant (`decode_variant`)."""
     batch, heads, d = q.shape
     if d % 2:
         raise ValueError(f"the paged decode kernel needs an even head_dim, not {d}")
     kv_heads = cache.kv_heads
     group = heads // kv_heads
+    kernel = decode_variant(group, kernel)
+    if kernel == "rows":
+        from quantkit.kernels import triton_paged_rows as rows
+
+        block_n, num_warps = block_n or rows.BLOCK_N, num_warps or rows.NUM_WARPS
+    block_n, num_warps = block_n or 64, num_warps or 4
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(batch, heads, d, dtype=q.dtype, device=q.device)
@@ -363,11 +389,16 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
         part_out = part_m = part_l = out  # not read or written
     bits = cache.bits
     ks, kz, vs, vz = scale_args(cache)
-    _DECODE((batch, kv_heads, partitions), (  # every parameter of decode_kernel, in order
+    if kernel == "rows":  # same parameters; the group padded to a power of 2 only, not to 16 rows
+        launch = rows.DECODE_ROWS
+        block_g, block_half = triton.next_power_of_2(group), triton.next_power_of_2(d // 2)
+    else:
+        launch = _DECODE
+        block_g, block_half = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d // 2))
+    launch((batch, kv_heads, partitions), (  # every parameter of decode_kernel, in order
         q, cache.k, cache.v, ks, kz, vs, vz, block_tables, context_lens, out, part_out, part_m, part_l,
         sm_scale * LOG2E, kv_heads, heads, partitions, q.stride(0), q.stride(1), block_tables.stride(0),
-        group, max(16, triton.next_power_of_2(group)), d // 2, max(16, triton.next_power_of_2(d // 2)),
-        cache.block_size, block_n, bits, split), num_warps=num_warps)
+        group, block_g, d // 2, block_half, cache.block_size, block_n, bits, split), num_warps=num_warps)
     if split:
         # BLOCK_P fixed at the most partitions there are (64): one compiled merge for every batch size, so an
         # eager step with a new number of decodes compiles nothing

@@ -156,6 +156,34 @@ def test_decode_attention_in_a_cuda_graph(monkeypatch, bits):
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("shape", list(SHAPES))
+def test_rows_decode_kernel_equals_dot(monkeypatch, shape, bits):
+    """The decode kernel without tl.dot (triton_paged_rows) against decode_kernel and the reference, at
+    batch 32 with contexts up to 4,096 (one of them empty), eagerly and replayed in a CUDA graph."""
+    from quantkit.kernels import triton_paged  # here: collecting tests/gpu must not import Triton
+
+    heads, kv_heads, d = SHAPES[shape]
+    g = torch.Generator().manual_seed(bits + heads // kv_heads)
+    lens = context_lens(32, 4096, g)
+    cache, tables = filled_cache(lens, kv_heads, d, bits, seed=bits)
+    lens[5] = 0
+    q = (torch.randn(32, heads, d, generator=g) * 3).half().cuda()
+    ctx = lens.cuda()
+    dot = triton_paged.paged_decode_attention(q, cache, tables, ctx, d**-0.5, kernel="dot")
+    graph, rows = capture(lambda: triton_paged.paged_decode_attention(q, cache, tables, ctx, d**-0.5, kernel="rows"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (rows[5] == 0).all() and (dot[5] == 0).all()
+    live = lens != 0
+    ref = reference_decode(monkeypatch, q[live], cache, tables[live.cuda()], ctx[live.cuda()], d**-0.5)
+    assert rel_err(rows[live.cuda()], ref) < TOL and rel_err(rows, dot) < TOL
+    ctx.copy_(torch.flip(lens, (0,)).cuda())  # other lengths, the same graph
+    graph.replay()
+    want = triton_paged.paged_decode_attention(q, cache, tables, ctx, d**-0.5, kernel="dot")
+    assert rel_err(rows, want) < TOL
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_prefill_attention(monkeypatch, shape, bits):
     """One packed prefill step (kernels/triton_prefill.py): whole prompts, chunks after a cached prefix, a
     one-token row and a sequence with no new token, against gather + SDPA per sequence."""
