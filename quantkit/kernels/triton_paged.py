@@ -337,15 +337,20 @@ def num_partitions(batch: int, kv_heads: int, max_tokens: int, device: torch.dev
     return max(1, min(want, math.ceil(max_tokens / block_n), MAX_PARTITIONS))
 
 
-def decode_variant(group: int, kernel: str | None = None) -> str:
+def decode_variant(group: int, bits: int, kernel: str | None = None) -> str:
     """Which decode kernel runs: "dot" (decode_kernel) or "rows" (triton_paged_rows: no tl.dot, for
-    query groups of at most MAX_GROUP rows). None: QUANTKIT_DECODE_KERNEL if set, else "dot"; "rows",
-    asked for by the variable, applies only where the group is small enough."""
+    query groups of at most MAX_GROUP rows). None: QUANTKIT_DECODE_KERNEL if set ("rows" there applies
+    only where the group is small enough), else the measured rule — "rows" for MHA (one query row per kv
+    head) over int8/int4 codes, "dot" otherwise. On the H200 at Llama-2-7B b32 × 4,096, rows took 475 /
+    526 µs for KV8 / KV4 against dot's 545 / 566 and tied on fp16; at Llama-3-8B (GQA 4) it was 3× slower
+    than dot and more (BENCHMARKS.md, issue #27's section)."""
     from quantkit.kernels.triton_paged_rows import MAX_GROUP
 
     if kernel is None:
-        kernel = os.environ.get("QUANTKIT_DECODE_KERNEL", "dot").strip().lower() or "dot"
-        if kernel == "rows" and group > MAX_GROUP:
+        kernel = os.environ.get("QUANTKIT_DECODE_KERNEL", "").strip().lower()
+        if not kernel:
+            kernel = "rows" if group == 1 and bits != 16 else "dot"
+        elif kernel == "rows" and group > MAX_GROUP:
             kernel = "dot"
     if kernel not in ("dot", "rows"):
         raise ValueError(f"unknown decode kernel {kernel!r}: choose 'dot' or 'rows'")
@@ -366,7 +371,7 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
         raise ValueError(f"the paged decode kernel needs an even head_dim, not {d}")
     kv_heads = cache.kv_heads
     group = heads // kv_heads
-    kernel = decode_variant(group, kernel)
+    kernel = decode_variant(group, cache.bits, kernel)
     if kernel == "rows":
         from quantkit.kernels import triton_paged_rows as rows
 

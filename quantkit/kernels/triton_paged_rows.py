@@ -2,10 +2,14 @@
 
 Why: triton_paged.decode_kernel gives each kv head's query rows to `tl.dot`, which needs 16 rows, so
 with one query row per kv head (Llama-2-7B, MHA) the tensor cores do 16× the real work and every int8/int4
-code goes through a conversion into a dot operand: the kernel is instruction-bound, and KV4, which reads
-a quarter of fp16's bytes, ran no faster than fp16 KV. Here the products run on the CUDA cores in fp32,
-for the real rows only: scores as q broadcast against the key tile and summed over channels, p·v as p
-broadcast against the value tile and summed over tokens.
+code goes through a conversion into a dot operand. Here the products run on the CUDA cores in fp32, for
+the real rows only: scores as q broadcast against the key tile and summed over channels, p·v as p
+broadcast against the value tile and summed over tokens. Measured on the H200 (Llama-2-7B, b32 × 4,096):
+KV8 475 µs and KV4 526 µs against the dot kernel's 545 / 566 (fp16: a tie at ≈ 515), so it is the
+default for MHA over codes (triton_paged.decode_variant). KV4 still takes fp16's time: over every tile,
+warp and partition count tried, both kernels spend about the same time per (token, kv head) row of the
+pool whatever its bytes (256 / 128 / 64), which points at the pool layout (one short row per token and
+head, the next token's row kv_heads rows away), not at the arithmetic.
 
 What it computes is decode_kernel's (same pool layout, halves A and B, partitions merged by
 triton_paged.merge_kernel, a grid independent of the context lengths), with the codes dequantized on

@@ -66,7 +66,7 @@ def test_rows_kernel_is_attention_over_the_stored_values(monkeypatch, triton_int
 
 def test_rows_kernel_serves_the_dispatch_when_asked(monkeypatch, triton_interpreter):
     """QUANTKIT_DECODE_KERNEL=rows sends groups of ≤ 4 query heads to the rows kernel, larger ones to
-    decode_kernel; unset, every group goes to decode_kernel."""
+    decode_kernel; unset, these groups (GQA) go to decode_kernel."""
     monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
     lens = [9, 40]
     cache, tables, _, _ = filled_cache(lens, 1, 64, 4, torch.float16, seed=3)
@@ -83,10 +83,18 @@ def test_rows_kernel_serves_the_dispatch_when_asked(monkeypatch, triton_interpre
         assert torch.equal(asked, triton_paged.paged_decode_attention(qh, cache, tables, ctx, 0.125, kernel=variant))
 
 
-def test_decode_variant_rule():
-    assert triton_paged.decode_variant(1) == "dot"
-    assert triton_paged.decode_variant(8, "dot") == "dot"
+def test_decode_variant_rule(monkeypatch):
+    """Unset: rows for MHA over int8/int4 codes only (where the H200 measured it faster); the variable or
+    the argument overrides; a group too large for rows is refused when asked for by name."""
+    monkeypatch.delenv("QUANTKIT_DECODE_KERNEL", raising=False)
+    assert [triton_paged.decode_variant(1, bits) for bits in (16, 8, 4)] == ["dot", "rows", "rows"]
+    assert [triton_paged.decode_variant(g, 4) for g in (2, 4, 8)] == ["dot", "dot", "dot"]
+    monkeypatch.setenv("QUANTKIT_DECODE_KERNEL", "dot")
+    assert triton_paged.decode_variant(1, 4) == "dot"
+    monkeypatch.setenv("QUANTKIT_DECODE_KERNEL", "rows")
+    assert [triton_paged.decode_variant(g, 16) for g in (1, 4, 8)] == ["rows", "rows", "dot"]
+    assert triton_paged.decode_variant(8, 4, "dot") == "dot"
     with pytest.raises(ValueError, match="at most 4"):
-        triton_paged.decode_variant(8, "rows")
+        triton_paged.decode_variant(8, 4, "rows")
     with pytest.raises(ValueError, match="choose 'dot' or 'rows'"):
-        triton_paged.decode_variant(1, "tensor")
+        triton_paged.decode_variant(1, 4, "tensor")
