@@ -5,9 +5,11 @@ its token i lives at slot = block_table[i // block_size] * block_size + i % bloc
 stored as the model's dtype (bits 16) or as integer codes (bits 8 or 4) with one fp16 scale and one
 uint8 zero per token per head beside them, asymmetric as lmdeploy's quant_policy 8/4: a code
 q = clamp(round(x / s) + z, 0, 2^b − 1) reads back as (q − z) · s. Int4 codes are packed two per byte
-along head_dim, the low nibble holding the even channel. Codes are [block, token, head, channel]; scales
-and zeros [block, head, token], so that the block_size tokens of one head that a kernel's tile reads
-have their scales side by side (one 32-byte load per block, not one per token).
+along head_dim, the low nibble holding the even channel. Codes are [block, head, token, channel] and
+scales and zeros [block, head, token], so that the block_size tokens of one head that a kernel's tile
+reads lie side by side: a KV4 block of a 128-channel head is one 1 KB piece, not 16 pieces of 64 bytes
+a head-count of rows apart (the decode kernels paid per piece: BENCHMARKS.md, issue #27). `by_slot`
+gives the token-major views [block, token, head, ...] that the torch code indexes by slot.
 
 The scale and zero of a token are its own row's range (online), or, when the cache holds static
 per-head scales (`PagedKV.static`, from calibration statistics), that head's fixed scale and zero:
@@ -50,7 +52,7 @@ MIN_SCALE = 2.0**-14
 class PagedKV:
     """One decoder layer's cache; see the module docstring for the layout."""
 
-    k: Tensor  # bits 16: [num_blocks, block_size, kv_heads, head_dim] model dtype; 8: uint8 same; 4: uint8 head_dim/2
+    k: Tensor  # bits 16: [num_blocks, kv_heads, block_size, head_dim] model dtype; 8: uint8 same; 4: uint8 head_dim/2
     v: Tensor
     k_scale: Optional[Tensor]  # bits 8/4: fp16 [num_blocks, kv_heads, block_size]; None for 16
     k_zero: Optional[Tensor]  # bits 8/4: uint8 [num_blocks, kv_heads, block_size]
@@ -83,7 +85,7 @@ class PagedKV:
             static = tuple(t.to(device) for t in static)
         code_dim = head_dim // 2 if bits == 4 else head_dim
         code_dtype = dtype if bits == 16 else torch.uint8
-        shape = (num_blocks, block_size, kv_heads)
+        shape = (num_blocks, kv_heads, block_size)
 
         def codes() -> Tensor:
             return torch.zeros(*shape, code_dim, dtype=code_dtype, device=device)
@@ -103,10 +105,13 @@ class PagedKV:
             return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         return 2 * kv_heads * (head_dim * bits // 8 + 3)
 
-    def by_slot(self, which: str) -> tuple[Tensor, Tensor]:
-        """The scale and zero of K or V ("k" / "v") as views [num_blocks, block_size, kv_heads]: indexed by
-        block and offset like the codes (bits 8/4 only)."""
-        return getattr(self, which + "_scale").transpose(1, 2), getattr(self, which + "_zero").transpose(1, 2)
+    def by_slot(self, which: str) -> tuple[Tensor, Tensor, Tensor]:
+        """The codes [num_blocks, block_size, kv_heads, code_dim], scale and zero [num_blocks, block_size,
+        kv_heads] of K or V ("k" / "v") as views indexed by block and offset (scale and zero None at bits 16)."""
+        codes = getattr(self, which).transpose(1, 2)
+        if self.bits == 16:
+            return codes, None, None
+        return codes, getattr(self, which + "_scale").transpose(1, 2), getattr(self, which + "_zero").transpose(1, 2)
 
     @property
     def num_blocks(self) -> int:
@@ -114,11 +119,11 @@ class PagedKV:
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def kv_heads(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1]
 
     @property
     def head_dim(self) -> int:
@@ -209,29 +214,27 @@ def write_kv(cache: PagedKV, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     static = cache.static or (None,) * 4
-    for x, codes, scale, zero, fixed in ((k, cache.k, cache.k_scale, cache.k_zero, static[:2]),
-                                         (v, cache.v, cache.v_scale, cache.v_zero, static[2:])):
+    blocks, offsets = slots // cache.block_size, slots % cache.block_size
+    for x, which, fixed in ((k, "k", static[:2]), (v, "v", static[2:])):
         x = x[valid]
-        flat = codes.view(-1, *codes.shape[2:])
+        codes, scale, zero = cache.by_slot(which)
         if cache.bits == 16:
-            flat[slots] = x.to(codes.dtype)
+            codes[blocks, offsets] = x.to(codes.dtype)
             continue
         if cache.static is None:
             q, s, z = quantize_per_token(x, cache.bits)
         else:
             q, s, z = quantize_static(x, *fixed, cache.bits)
-        flat[slots] = pack_int4(q) if cache.bits == 4 else q
-        blocks, offsets = slots // cache.block_size, slots % cache.block_size
-        scale[blocks, :, offsets] = s
-        zero[blocks, :, offsets] = z
+        codes[blocks, offsets] = pack_int4(q) if cache.bits == 4 else q
+        scale[blocks, offsets] = s
+        zero[blocks, offsets] = z
 
 
 def _read(cache: PagedKV, which: str, blocks: Tensor, dtype: torch.dtype) -> Tensor:
     """Blocks [...] of K or V dequantized: [..., block_size, kv_heads, head_dim]."""
-    codes = getattr(cache, which)[blocks]
+    codes, scale, zero = (t if t is None else t[blocks] for t in cache.by_slot(which))
     if cache.bits == 16:
         return codes.to(dtype)
-    scale, zero = (t[blocks] for t in cache.by_slot(which))
     return dequantize(codes, scale, zero, cache.bits, dtype)
 
 

@@ -59,7 +59,8 @@ def _halves(offs_i, HALF: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _scale_index(block, offset, kv_head, kv_heads, block_size):
-    """Element of a token's scale or zero: they are stored [block, kv head, token] (paged_kv.PagedKV)."""
+    """Row of a token's codes, and element of its scale and zero: all are stored [block, kv head, token, ...]
+    (paged_kv.PagedKV)."""
     return (block * kv_heads + kv_head) * block_size + offset
 
 
@@ -75,8 +76,10 @@ def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_pt
     src = x_ptr + t * stride_t + offs_h[:, None] * stride_h
     xa = tl.load(src + ca[None, :], mask=mask, other=0.0)
     xb = tl.load(src + cb[None, :], mask=mask, other=0.0)
+    # the token's row in the pool for every head, and its scale and zero element: [block, head, token, ...]
+    row = _scale_index(slot // block_size, slot % block_size, offs_h, kv_heads, block_size)
     if BITS == 16:
-        dst = codes_ptr + (slot * kv_heads + offs_h[:, None]) * (2 * HALF)
+        dst = codes_ptr + row[:, None] * (2 * HALF)
         tl.store(dst + ca[None, :], xa.to(codes_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + cb[None, :], xb.to(codes_ptr.dtype.element_ty), mask=mask)
     else:
@@ -96,16 +99,14 @@ def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_pt
         qb = _round_half_even(tl.math.div_rn(xb, scale[:, None])) + zero[:, None]
         qa = tl.minimum(tl.maximum(qa, 0.0), qmax).to(tl.uint8)
         qb = tl.minimum(tl.maximum(qb, 0.0), qmax).to(tl.uint8)
-        row = slot * kv_heads + offs_h
         if BITS == 4:
             tl.store(codes_ptr + row[:, None] * HALF + offs_i[None, :], qa | (qb << 4), mask=mask)
         else:
             dst = codes_ptr + row[:, None] * (2 * HALF)
             tl.store(dst + ca[None, :], qa, mask=mask)
             tl.store(dst + cb[None, :], qb, mask=mask)
-        at = _scale_index(slot // block_size, slot % block_size, offs_h, kv_heads, block_size)
-        tl.store(scale_ptr + at, scale.to(tl.float16), mask=hmask)
-        tl.store(zero_ptr + at, zero.to(tl.uint8), mask=hmask)
+        tl.store(scale_ptr + row, scale.to(tl.float16), mask=hmask)
+        tl.store(zero_ptr + row, zero.to(tl.uint8), mask=hmask)
 
 
 @triton.jit
@@ -204,8 +205,9 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
     nmask = offs_n < kv_end
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = offs_n % BLOCK_SIZE
-    row = (block * BLOCK_SIZE + off) * kv_heads + kvh
-    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)  # its scale and zero
+    # a token's codes are row `at` of the pool, its scale and zero element `at` of theirs
+    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)
+    row = at
     mask = nmask[:, None] & imask[None, :]
     if BITS == 16:
         k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's

@@ -61,8 +61,8 @@ def _tile(acc_a, acc_b, m_i, l_i, q_a, q_b, n0, end, bt_row, kc_ptr, vc_ptr, ks_
     nmask = offs_n < end
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = offs_n % BLOCK_SIZE
-    row = (block * BLOCK_SIZE + off) * kv_heads + kvh
-    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)
+    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)  # codes row, scale and zero element
+    row = at
     mask = nmask[:, None] & imask[None, :]
 
     k_a, k_b, k_s = _load_values(kc_ptr, ks_ptr, kz_ptr, row, at, nmask, offs_i, mask, HALF, BITS)

@@ -116,7 +116,7 @@ def test_static_write_equals_reference(monkeypatch, shape, bits):
         diff = (out.int() - ref.int()).abs() if not out.is_floating_point() else (out.float() - ref.float()).abs()
         assert torch.equal(out, ref), (name, int((diff > 0).sum()), float(diff.max()))
     written = slots[slots >= 0]
-    assert (caches[1].by_slot("k")[0].reshape(-1, kv_heads)[written] == static[0]).all()
+    assert (caches[1].by_slot("k")[1].reshape(-1, kv_heads)[written] == static[0]).all()
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
