@@ -8,8 +8,8 @@ q = clamp(round(x / s) + z, 0, 2^b − 1) reads back as (q − z) · s. Int4 cod
 along head_dim, the low nibble holding the even channel. Codes are [block, head, token, channel] and
 scales and zeros [block, head, token], so that the block_size tokens of one head that a kernel's tile
 reads lie side by side: a KV4 block of a 128-channel head is one 1 KB piece, not 16 pieces of 64 bytes
-a head-count of rows apart (the decode kernels paid per piece: BENCHMARKS.md, issue #27). `by_slot`
-gives the token-major views [block, token, head, ...] that the torch code indexes by slot.
+a head-count of rows apart (on the H200 KV8 decode −5 %, KV4 and fp16 unchanged: BENCHMARKS.md, issue
+#27). `by_slot` gives the token-major views [block, token, head, ...] that the torch code indexes by slot.
 
 The scale and zero of a token are its own row's range (online), or, when the cache holds static
 per-head scales (`PagedKV.static`, from calibration statistics), that head's fixed scale and zero:

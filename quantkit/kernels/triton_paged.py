@@ -343,8 +343,8 @@ def decode_variant(group: int, bits: int, kernel: str | None = None) -> str:
     """Which decode kernel runs: "dot" (decode_kernel) or "rows" (triton_paged_rows: no tl.dot, for
     query groups of at most MAX_GROUP rows). None: QUANTKIT_DECODE_KERNEL if set ("rows" there applies
     only where the group is small enough), else the measured rule — "rows" for MHA (one query row per kv
-    head) over int8/int4 codes, "dot" otherwise. On the H200 at Llama-2-7B b32 × 4,096, rows took 475 /
-    526 µs for KV8 / KV4 against dot's 545 / 566 and tied on fp16; at Llama-3-8B (GQA 4) it was 3× slower
+    head) over int8/int4 codes, "dot" otherwise. On the H200 at Llama-2-7B b32 × 4,096, rows took 450 /
+    517 µs for KV8 / KV4 against dot's 561 / 562 and tied on fp16; at Llama-3-8B (GQA 4) it was 3× slower
     than dot and more (BENCHMARKS.md, issue #27's section)."""
     from quantkit.kernels.triton_paged_rows import MAX_GROUP
 

@@ -6,10 +6,9 @@ code goes through a conversion into a dot operand. Here the products run on the 
 the real rows only: scores as q broadcast against the key tile and summed over channels, p·v as p
 broadcast against the value tile and summed over tokens. Measured on the H200 (Llama-2-7B, b32 × 4,096):
 KV8 475 µs and KV4 526 µs against the dot kernel's 545 / 566 (fp16: a tie at ≈ 515), so it is the
-default for MHA over codes (triton_paged.decode_variant). KV4 still takes fp16's time: over every tile,
-warp and partition count tried, both kernels spend about the same time per (token, kv head) row of the
-pool whatever its bytes (256 / 128 / 64), which points at the pool layout (one short row per token and
-head, the next token's row kv_heads rows away), not at the arithmetic.
+default for MHA over codes (triton_paged.decode_variant). KV4 still takes fp16's time, over every tile,
+warp and partition count tried and after the pool's layout was made head-major (BENCHMARKS.md, issue
+#27's section): what bounds it is not traced yet.
 
 What it computes is decode_kernel's (same pool layout, halves A and B, partitions merged by
 triton_paged.merge_kernel, a grid independent of the context lengths), with the codes dequantized on

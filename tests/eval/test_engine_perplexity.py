@@ -11,7 +11,7 @@ import torch
 
 from quantkit.config import UserError
 from quantkit.engine.model import load_decoder
-from quantkit.eval.engine_perplexity import engine_perplexity, engine_runner
+from quantkit.eval.engine_perplexity import engine_perplexity
 from quantkit.eval.perplexity import perplexity
 
 
@@ -37,14 +37,6 @@ def test_unquantized_pool_equals_transformers_and_quantized_pools_move_it(decode
     assert abs(kv8.ppl / fp.ppl - 1) > 1e-5  # an unquantized pool would give fp's figure to float noise
     assert abs(kv8.ppl / fp.ppl - 1) < 0.01
     assert abs(kv4.ppl / fp.ppl - 1) > 2 * abs(kv8.ppl / fp.ppl - 1)
-
-
-@pytest.mark.xfail(strict=True, reason="ModelRunner._allocate does not yet pass rotation=config.kv_rotation "
-                                       "to PagedKV.allocate (issue #27, for the lead)")
-def test_kv_rotation_setting_reaches_the_pool(decoder):
-    model, _ = decoder
-    assert engine_runner(model, 4, 64, kv_rotation="none").kv_caches[0].rotation is None
-    assert engine_runner(model, 8, 64, kv_rotation="hadamard").kv_caches[0].rotation is not None
 
 
 def test_chunked_prefill_reads_the_same_codes(decoder, text_file):
