@@ -247,6 +247,37 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
 
 
 @triton.jit
+def partition_share(ctx_ptr, b, part, partitions, BLOCK_N: tl.constexpr):
+    """[start, end) of sequence b's context that partition `part` attends to: whole tiles, spread evenly
+    over the partitions at run time (the grid never depends on the context lengths)."""
+    ctx = tl.load(ctx_ptr + b)
+    tiles_per_part = tl.cdiv(tl.cdiv(ctx, BLOCK_N), partitions)
+    start = part * tiles_per_part * BLOCK_N
+    return start, tl.minimum(start + tiles_per_part * BLOCK_N, ctx)
+
+
+@triton.jit
+def store_decode(acc_a, acc_b, m_i, l_i, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, b, head, part, heads,
+                 partitions, ca, cb, qmask, gmask, HALF: tl.constexpr, SPLIT: tl.constexpr):
+    """A decode program's result for its query heads [BLOCK_G]: normalised into `out` (the query's dtype),
+    or with SPLIT as fp32 partials with their running max and sum, for merge_kernel."""
+    # an empty share (or a padded batch row with no context) leaves l = 0: its output is 0, not NaN
+    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
+    if SPLIT:
+        at = ((b * heads + head) * partitions + part)
+        dst = part_out_ptr + at[:, None] * (2 * HALF)
+        tl.store(dst + ca[None, :], acc_a * inv, mask=qmask)
+        tl.store(dst + cb[None, :], acc_b * inv, mask=qmask)
+        tl.store(part_m_ptr + at, m_i, mask=gmask)
+        tl.store(part_l_ptr + at, l_i, mask=gmask)
+    else:
+        dst = out_ptr + (b * heads + head[:, None]) * (2 * HALF)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(dst + ca[None, :], (acc_a * inv).to(dtype), mask=qmask)
+        tl.store(dst + cb[None, :], (acc_b * inv).to(dtype), mask=qmask)
+
+
+@triton.jit
 def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, ctx_ptr,
                   out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qk_scale, kv_heads, heads, partitions,
                   stride_qb, stride_qh, stride_bt,
@@ -255,12 +286,7 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
-    dtype = q_ptr.dtype.element_ty
-    ctx = tl.load(ctx_ptr + b)
-    # this partition's share of the context: whole tiles, spread evenly over the partitions
-    tiles_per_part = tl.cdiv(tl.cdiv(ctx, BLOCK_N), partitions)
-    start = part * tiles_per_part * BLOCK_N
-    end = tl.minimum(start + tiles_per_part * BLOCK_N, ctx)
+    start, end = partition_share(ctx_ptr, b, part, partitions, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < GROUP
@@ -287,19 +313,8 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
             acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, last, n0, end, bt_row, kc_ptr, vc_ptr, ks_ptr, kz_ptr,
             vs_ptr, vz_ptr, kvh, kv_heads, qk_scale, offs_i, imask, HALF, BLOCK_SIZE, BLOCK_N, BITS, True)
 
-    # an empty share (or a padded batch row with no context) leaves l = 0: its output is 0, not NaN
-    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
-    if SPLIT:
-        at = ((b * heads + head) * partitions + part)
-        dst = part_out_ptr + at[:, None] * (2 * HALF)
-        tl.store(dst + ca[None, :], acc_a * inv, mask=qmask)
-        tl.store(dst + cb[None, :], acc_b * inv, mask=qmask)
-        tl.store(part_m_ptr + at, m_i, mask=gmask)
-        tl.store(part_l_ptr + at, l_i, mask=gmask)
-    else:
-        dst = out_ptr + (b * heads + head[:, None]) * (2 * HALF)
-        tl.store(dst + ca[None, :], (acc_a * inv).to(dtype), mask=qmask)
-        tl.store(dst + cb[None, :], (acc_b * inv).to(dtype), mask=qmask)
+    store_decode(acc_a, acc_b, m_i, l_i, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, b, head, part, heads,
+                 partitions, ca, cb, qmask, gmask, HALF, SPLIT)
 
 
 @triton.jit

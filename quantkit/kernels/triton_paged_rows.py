@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged import _halves, _load_raw, _scale_index
+from quantkit.kernels.triton_paged import _halves, _load_raw, _scale_index, partition_share, store_decode
 
 # groups up to this size go to this kernel when `paged_decode_attention` is asked for "rows"
 MAX_GROUP = 4
@@ -103,12 +103,7 @@ def decode_rows_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
-    dtype = q_ptr.dtype.element_ty
-    ctx = tl.load(ctx_ptr + b)
-    # this partition's share of the context: whole tiles, spread evenly over the partitions
-    tiles_per_part = tl.cdiv(tl.cdiv(ctx, BLOCK_N), partitions)
-    start = part * tiles_per_part * BLOCK_N
-    end = tl.minimum(start + tiles_per_part * BLOCK_N, ctx)
+    start, end = partition_share(ctx_ptr, b, part, partitions, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < GROUP
@@ -142,19 +137,8 @@ def decode_rows_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt
                                            ks_ptr, kz_ptr, vs_ptr, vz_ptr, kvh, kv_heads, offs_i, imask, HALF,
                                            BLOCK_SIZE, BLOCK_N, BITS, False)
 
-    # an empty share (or a padded batch row with no context) leaves l = 0: its output is 0, not NaN
-    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
-    if SPLIT:
-        at = ((b * heads + head) * partitions + part)
-        dst = part_out_ptr + at[:, None] * (2 * HALF)
-        tl.store(dst + ca[None, :], acc_a * inv, mask=qmask)
-        tl.store(dst + cb[None, :], acc_b * inv, mask=qmask)
-        tl.store(part_m_ptr + at, m_i, mask=gmask)
-        tl.store(part_l_ptr + at, l_i, mask=gmask)
-    else:
-        dst = out_ptr + (b * heads + head[:, None]) * (2 * HALF)
-        tl.store(dst + ca[None, :], (acc_a * inv).to(dtype), mask=qmask)
-        tl.store(dst + cb[None, :], (acc_b * inv).to(dtype), mask=qmask)
+    store_decode(acc_a, acc_b, m_i, l_i, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, b, head, part, heads,
+                 partitions, ca, cb, qmask, gmask, HALF, SPLIT)
 
 
 DECODE_ROWS = KeptKernel(decode_rows_kernel)
