@@ -47,6 +47,8 @@ if has attention; then
 fi
 if has kvquality; then
   stamp kvquality
+  # ../shared does not travel: the test texts come in .big/data (ptb.test.txt, wiki2.test.txt)
+  export QUANTKIT_DATA_DIR=${QUANTKIT_DATA_DIR:-$PWD/.big/data}
   model=/tmp/qk_smollm2/awq-w4g64
   mkdir -p $model && cat $stash/part_a .big/part_b > $model/model.safetensors && tar -xzf .big/rest.tgz -C $model \
     && ls -la $model && sha256sum $model/model.safetensors
