@@ -34,8 +34,8 @@ from quantkit.kernels.triton_mma import MmaWeights
 
 # Up to this M an eager call takes the mma GEMV even where the Gluon GEMM is faster on the GPU: the Gluon
 # call costs 74–94 µs of host time (two launches, a TMA descriptor) for 12–33 µs of GPU time, so eager calls
-# back to back measured 81–94 µs against the GEMV's 16–78 (bench/probes/launch_overhead.py --gluon,
-# KERNELS_NOTES items 60, 65–66). From a CUDA graph, and above this M either way, the GEMM is faster.
+# back to back measured 81–94 µs against the GEMV's 16–78 (bench/probes/launch_overhead.py --gluon;
+# bench/KERNELS_NOTES.md has the measurements). From a CUDA graph, and above this M either way, the GEMM is faster.
 EAGER_GEMV_MAX_M = 64
 _METHODS = {"block-planar": {"gemv", "gemm", "dequant+cublas"}, "mma": {"mma", "gluon", "dequant+cublas"}}
 
@@ -137,7 +137,7 @@ def _sm_count(device: torch.device) -> int:
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (sm_90+), only with QUANTKIT_PDL=1: 4–20 % faster back to back at
     M ≤ 16, but 0.98× in the graphed decode step, where the GEMV follows kernels that never trigger
-    early (KERNELS_NOTES item 81)."""
+    early (bench/KERNELS_NOTES.md)."""
     if os.environ.get("QUANTKIT_PDL", "0") != "1" or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

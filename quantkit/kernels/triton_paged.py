@@ -58,9 +58,9 @@ def _halves(offs_i, HALF: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _scale_index(block, offset, kv_head, kv_heads, block_size):
-    """Row of a token's codes, and element of its scale and zero: all are stored [block, kv head, token, ...]
-    (paged_kv.PagedKV)."""
+def _pool_row(block, offset, kv_head, kv_heads, block_size):
+    """Row of a token's codes in the pool, and element of its scale and zero: all are stored
+    [block, kv head, token, ...] (paged_kv.PagedKV)."""
     return (block * kv_heads + kv_head) * block_size + offset
 
 
@@ -77,7 +77,7 @@ def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_pt
     xa = tl.load(src + ca[None, :], mask=mask, other=0.0)
     xb = tl.load(src + cb[None, :], mask=mask, other=0.0)
     # the token's row in the pool for every head, and its scale and zero element: [block, head, token, ...]
-    row = _scale_index(slot // block_size, slot % block_size, offs_h, kv_heads, block_size)
+    row = _pool_row(slot // block_size, slot % block_size, offs_h, kv_heads, block_size)
     if BITS == 16:
         dst = codes_ptr + row[:, None] * (2 * HALF)
         tl.store(dst + ca[None, :], xa.to(codes_ptr.dtype.element_ty), mask=mask)
@@ -205,9 +205,7 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
     nmask = offs_n < kv_end
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = offs_n % BLOCK_SIZE
-    # a token's codes are row `at` of the pool, its scale and zero element `at` of theirs
-    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)
-    row = at
+    row = _pool_row(block, off, kvh, kv_heads, BLOCK_SIZE)  # its codes, scale and zero
     mask = nmask[:, None] & imask[None, :]
     if BITS == 16:
         k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's
@@ -217,8 +215,8 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
         # the dot as they are (small integers, exact in fp16), so the tile needs no arithmetic per
         # element; the scale and zero apply once per token.
         k_a, k_b = _load_codes(kc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-        k_s = tl.load(ks_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-        k_z = tl.load(kz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
+        k_s = tl.load(ks_ptr + row, mask=nmask, other=0.0).to(tl.float32)
+        k_z = tl.load(kz_ptr + row, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
         s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
         s = (s - q_sum[:, None] * k_z[None, :]) * k_s[None, :]
     s = s * qk_scale
@@ -237,8 +235,8 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
         # Σ_n p_n·s_n·(c_n − z_n) = (p·s)·c − Σ_n (p·s)_n·z_n: the scales go into p, the zeros into one
         # correction per query row, taken from the same rounded p·s that meets the codes.
         v_a, v_b = _load_codes(vc_ptr, row, offs_i, mask, dtype, HALF, BITS)
-        v_s = tl.load(vs_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-        v_z = tl.load(vz_ptr + at, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
+        v_s = tl.load(vs_ptr + row, mask=nmask, other=0.0).to(tl.float32)
+        v_z = tl.load(vz_ptr + row, mask=nmask, other=0).to(tl.float32) + _code_offset(dtype)
         ps = (p * v_s[None, :]).to(dtype)
         corr = tl.sum(ps.to(tl.float32) * v_z[None, :], axis=1)[:, None]
         acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)

@@ -5,7 +5,7 @@ with one query row per kv head (Llama-2-7B, MHA) the tensor cores do 16× the re
 code goes through a conversion into a dot operand. Here the products run on the CUDA cores in fp32, for
 the real rows only: scores as q broadcast against the key tile and summed over channels, p·v as p
 broadcast against the value tile and summed over tokens. Measured on the H200 (Llama-2-7B, b32 × 4,096):
-KV8 475 µs and KV4 526 µs against the dot kernel's 545 / 566 (fp16: a tie at ≈ 515), so it is the
+KV8 450 µs and KV4 517 µs against the dot kernel's 561 / 562 (fp16: a tie at ≈ 518), so it is the
 default for MHA over codes (triton_paged.decode_variant). KV4 still takes fp16's time, over every tile,
 warp and partition count tried and after the pool's layout was made head-major (BENCHMARKS.md, issue
 #27's section): what bounds it is not traced yet.
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged import _halves, _load_raw, _scale_index, partition_share, store_decode
+from quantkit.kernels.triton_paged import _halves, _load_raw, _pool_row, partition_share, store_decode
 
 # groups up to this size go to this kernel when `paged_decode_attention` is asked for "rows"
 MAX_GROUP = 4
@@ -34,7 +34,7 @@ NUM_WARPS = 2
 
 
 @triton.jit
-def _load_values(codes_ptr, scale_ptr, zero_ptr, row, at, nmask, offs_i, mask, HALF: tl.constexpr,
+def _load_values(codes_ptr, scale_ptr, zero_ptr, row, nmask, offs_i, mask, HALF: tl.constexpr,
                  BITS: tl.constexpr):
     """Halves A and B [BLOCK_N, BLOCK_HALF] of K or V for cache rows `row` in fp32, and the tokens' scales
     [BLOCK_N]: stored values and scale 1 for fp16/bf16 blocks, codes minus zero for int8/int4 blocks."""
@@ -42,8 +42,8 @@ def _load_values(codes_ptr, scale_ptr, zero_ptr, row, at, nmask, offs_i, mask, H
     if BITS == 16:
         return a.to(tl.float32), b.to(tl.float32), tl.full(nmask.shape, 1.0, tl.float32)
     else:
-        scale = tl.load(scale_ptr + at, mask=nmask, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + at, mask=nmask, other=0).to(tl.float32) + 8388608.0  # 2^23 + z
+        scale = tl.load(scale_ptr + row, mask=nmask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + row, mask=nmask, other=0).to(tl.float32) + 8388608.0  # 2^23 + z
         a = (a.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - zero[:, None]
         b = (b.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - zero[:, None]
         return a, b, scale
@@ -60,11 +60,10 @@ def _tile(acc_a, acc_b, m_i, l_i, q_a, q_b, n0, end, bt_row, kc_ptr, vc_ptr, ks_
     nmask = offs_n < end
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = offs_n % BLOCK_SIZE
-    at = _scale_index(block, off, kvh, kv_heads, BLOCK_SIZE)  # codes row, scale and zero element
-    row = at
+    row = _pool_row(block, off, kvh, kv_heads, BLOCK_SIZE)  # its codes, scale and zero
     mask = nmask[:, None] & imask[None, :]
 
-    k_a, k_b, k_s = _load_values(kc_ptr, ks_ptr, kz_ptr, row, at, nmask, offs_i, mask, HALF, BITS)
+    k_a, k_b, k_s = _load_values(kc_ptr, ks_ptr, kz_ptr, row, nmask, offs_i, mask, HALF, BITS)
     if ONE:
         s = tl.sum(q_a[None, :] * k_a + q_b[None, :] * k_b, axis=1) * k_s  # [BLOCK_N]
         s = tl.where(nmask, s, float("-inf"))
@@ -81,7 +80,7 @@ def _tile(acc_a, acc_b, m_i, l_i, q_a, q_b, n0, end, bt_row, kc_ptr, vc_ptr, ks_
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    v_a, v_b, v_s = _load_values(vc_ptr, vs_ptr, vz_ptr, row, at, nmask, offs_i, mask, HALF, BITS)
+    v_a, v_b, v_s = _load_values(vc_ptr, vs_ptr, vz_ptr, row, nmask, offs_i, mask, HALF, BITS)
     if ONE:
         ps = (p * v_s)[:, None]
         acc_a = acc_a * alpha + tl.sum(ps * v_a, axis=0)

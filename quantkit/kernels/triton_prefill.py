@@ -18,7 +18,7 @@ K/V are read as in the decode kernel (kernels/triton_paged.py, whose `attend_til
 two halves A and B of head_dim (the first and second half, or for int4 the even and odd channels),
 and int8/int4 codes enter the dot products as they are, the scale and zero applied once per token:
 q·k = s·(q·c − z·Σq) and p·v = (p·s)·c − Σ(p·s)·z. A token's codes are row
-(block · kv_heads + head) · block_size + offset (`_scale_index`) of the [num_blocks, kv_heads, block_size, ·]
+(block · kv_heads + head) · block_size + offset (`triton_paged._pool_row`) of the [num_blocks, kv_heads, block_size, ·]
 pool, and its scale and zero the same element of their [num_blocks, kv_heads, block_size] tensors.
 """
 
