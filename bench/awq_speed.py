@@ -20,6 +20,10 @@ A shape's checkpoint is deleted before the next shape is written.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os
@@ -60,7 +64,9 @@ def write_random_checkpoint(directory: Path, shape: dict, gen_device: str) -> in
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quantkit.formats.checkpoint import write_safetensors
-    from tests.tiny import make_tokenizer
+    from bench.lib.common import use_test_helpers
+    use_test_helpers()
+    from quantkit_testing.tiny import make_tokenizer
 
     directory.mkdir(parents=True)
     config = LlamaConfig(**shape, tie_word_embeddings=False, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"],
@@ -84,7 +90,9 @@ def write_random_checkpoint(directory: Path, shape: dict, gen_device: str) -> in
 
 
 def write_text(path: Path, words: int) -> None:
-    from tests.tiny import make_text
+    from bench.lib.common import use_test_helpers
+    use_test_helpers()
+    from quantkit_testing.tiny import make_text
 
     path.write_text(make_text(words, seed=3))
 

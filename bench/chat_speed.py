@@ -4,7 +4,7 @@ per second of wall time, greedy, the same token limit on both sides.
 
     python -m bench.chat_speed MODEL_DIR [--rounds 10] [--max-new-tokens 256] [--kv-bits 8] [--out chat.json]
 
-(`-m` from the repository root: run as a file, bench/kernels.py would shadow the `kernels` package
+(`-m` from the repository root: run as a file, bench/kernel_speed.py would shadow the `kernels` package
 that transformers looks for.)
 
 MODEL_DIR is a Hugging Face directory (transformers runs it as is) or a quantkit export (transformers
@@ -13,6 +13,10 @@ sums round differently; the characters per second are compared, not the texts.
 """
 
 from __future__ import annotations
+
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
 
 import argparse
 import json

@@ -16,7 +16,7 @@ With torchvision importable, transformers picks the torchvision image processors
 quantkit's environment, without it, has the PIL ones: their pixels differ (up to 0.2 for LLaVA-NeXT), so
 the image prompt's reference decodes from the tensors vLLM's environment makes, and quantkit's answer on
 its own pixels is reported beside it. Each family's tiny random checkpoint is written in the family's *original* layout by the
-tests' own writers (tests/models/test_qwen.py, test_baichuan.py, test_chatglm.py, tests/tiny_llava.py), scaled
+tests' own writers (tests/models/test_qwen.py, test_baichuan.py, test_chatglm.py, tests/support/quantkit_testing/tiny_llava.py), scaled
 to vLLM's CPU W4A16 kernel (hidden 128, heads of 32 dims, intermediate and vocabulary multiples of 32):
 
 - qwen: Qwen-7B-Chat's layout (transformer.h.N.attn.c_attn, qwen.tiktoken, remote-code files) → Qwen2ForCausalLM;
@@ -39,6 +39,10 @@ every prompt's 24 tokens are quantkit's, or first differ where quantkit's top tw
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 import base64
 import importlib.util
@@ -54,9 +58,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
-sys.path.insert(0, str(TESTS))  # the tests' writers, tiny tokenizer and text (no download)
+from bench.lib.common import use_test_helpers  # noqa: E402
 
-from tiny import make_sentencepiece_tokenizer, make_text
+use_test_helpers()  # the tests' writers, tiny tokenizer and text (no download)
+
+from quantkit_testing.tiny import make_sentencepiece_tokenizer, make_text
 
 import quantkit
 from bench.interop_vllm import (
@@ -142,7 +148,7 @@ def write_chatglm3(d: Path) -> Path:
 
 
 def write_llava(d: Path, next_: bool) -> Path:
-    from tiny_llava import write_tiny_llava
+    from quantkit_testing.tiny_llava import write_tiny_llava
 
     return write_tiny_llava(d, next_=next_, seed=1 if next_ else 0, text=TEXT)
 
@@ -156,7 +162,7 @@ class ImagePrompt:
 
     def __init__(self, export: Path, image_file: Path) -> None:
         from PIL import Image
-        from tiny_llava import messages
+        from quantkit_testing.tiny_llava import messages
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(export))
@@ -184,7 +190,7 @@ class ImagePrompt:
 
     def greedy_other(self, model, tokens: int) -> list[int]:
         """The answer with another image (this environment's processor): a control that the image is read."""
-        from tiny_llava import make_image
+        from quantkit_testing.tiny_llava import make_image
 
         saved, image = self.saved, self.image
         self.saved, self.image = None, make_image(3, (60, 80))
@@ -256,7 +262,7 @@ def main() -> int:
             cfg = json.loads((out / "config.json").read_text())
             model, tok = quantkit.load(out, device="cpu", dtype=getattr(torch, DTYPE))
             if family.startswith("llava"):
-                from tiny_llava import make_image
+                from quantkit_testing.tiny_llava import make_image
 
                 make_image(2, (70, 50)).save(work / "image.png")
                 image = ImagePrompt(out, work / "image.png")

@@ -33,6 +33,10 @@ vLLM's CPU build has no W8A16 kernel, so 8-bit exports are not tried.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import subprocess
@@ -45,9 +49,11 @@ import torch
 from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny tokenizer and text, made locally (no download)
+from bench.lib.common import use_test_helpers  # noqa: E402
 
-from tiny import make_text, make_tokenizer  # noqa: E402
+use_test_helpers()  # the tests' tiny tokenizer and text, made locally (no download)
+
+from quantkit_testing.tiny import make_text, make_tokenizer  # noqa: E402
 
 import quantkit  # noqa: E402
 from quantkit.config import build_config  # noqa: E402

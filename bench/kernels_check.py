@@ -9,16 +9,23 @@ bf16, odd M and an N that is no multiple of any tile. Prints one line per case; 
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from bench.lib.common import use_test_helpers
 from bench.lib.kernel_timing import rel_err
-from tests.kernel_oracles import packed_layer
 from quantkit.kernels import dispatch, gluon_gemm, triton_mma
 from quantkit.kernels.triton_gemm import dequantize, gemm
+
+use_test_helpers()
+from quantkit_testing.kernel_oracles import packed_layer  # noqa: E402
 from quantkit.kernels.triton_gemv import gemv
 
 TOL = 1e-2

@@ -14,6 +14,10 @@ GEMV at 64 tokens, `dispatch.EAGER_GEMV_MAX_M`) against the same forward on the 
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os
@@ -35,7 +39,9 @@ def build_checkpoint(work: Path, layers: int):
     from quantkit.models.registry import spec_for_config
     from quantkit.quantize.export import checkpoint_tensors, write_export
     from quantkit.quantize.rtn import rtn_quantize
-    from tests.tiny import make_tokenizer
+    from bench.lib.common import use_test_helpers
+    use_test_helpers()
+    from quantkit_testing.tiny import make_tokenizer
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
                       num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,

@@ -12,6 +12,10 @@ weight-only, per channel), w4 (group 128). Also `quantkit bench latency` (one co
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 
 from quantkit.engine.benchmark import latency, run_grid

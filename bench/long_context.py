@@ -11,6 +11,10 @@ Capacity: tokens in the KV pool at cache_max_entry_count 0.8. Long context: deco
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 
 from quantkit.engine.benchmark import capacity, long_context, run_grid

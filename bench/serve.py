@@ -18,6 +18,10 @@ so both servers see the same prompt tokens, and with no EOS token, so that trans
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import os

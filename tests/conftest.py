@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quantkit.models.registry import spec_for_config
-from tiny import (  # noqa: F401  (re-exported: tests may import helpers from conftest too)
+from quantkit_testing.tiny import (  # noqa: F401  (re-exported: tests may import helpers from conftest too)
     llama_to_internlm2,
     make_text,
     make_tiny_model,

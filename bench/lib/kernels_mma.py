@@ -14,6 +14,10 @@ Writes DIR/mma.json.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
+
 import argparse
 import itertools
 import json
@@ -29,7 +33,10 @@ from bench.lib.kernel_candidates import SHAPES
 from bench.lib.kernel_timing import graph_us, rel_err, ring_size
 from quantkit.kernels import dispatch, triton_mma
 from quantkit.kernels.triton_mma import MmaWeights
-from tests.mma_layers import mma_codes
+from bench.lib.common import use_test_helpers
+
+use_test_helpers()
+from quantkit_testing.mma_layers import mma_codes  # noqa: E402
 
 
 def random_mw(k: int, n: int, bits: int, group_size: int) -> MmaWeights:

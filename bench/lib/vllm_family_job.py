@@ -13,6 +13,10 @@ error's message. With "texts", RESULT.json also holds how vLLM's tokenizer encod
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
+
 import json
 import os
 import sys
@@ -64,7 +68,13 @@ def run(job: dict) -> dict:
 
 
 def main() -> None:
-    with open(sys.argv[1]) as f:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("job", help="JOB.json: the export and its prompts")
+    ap.add_argument("result", help="RESULT.json: written here")
+    args = ap.parse_args()
+    with open(args.job) as f:
         job = json.load(f)
     try:
         import vllm
@@ -76,7 +86,7 @@ def main() -> None:
         version = sys.modules["vllm"].__version__ if "vllm" in sys.modules else "?"
         result = {"name": job["name"], "tokens": None, "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
     result["vllm"] = version
-    with open(sys.argv[2], "w") as f:
+    with open(args.result, "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -12,10 +12,13 @@ vLLM applies) and the error message if the export did not load.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
+
 import gc
 import json
 import os
-import sys
 import time
 import traceback
 
@@ -49,9 +52,15 @@ def run_job(job: dict) -> dict:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("jobs", help="JOBS.json: the exports and their prompts")
+    ap.add_argument("results", help="RESULTS.json: written here")
+    args = ap.parse_args()
     import vllm
 
-    jobs = json.load(open(sys.argv[1]))
+    jobs = json.load(open(args.jobs))
     results = []
     for job in jobs:
         try:
@@ -59,7 +68,7 @@ def main() -> None:
         except Exception as exc:  # reported in the table: an export vLLM refuses is a finding, not a crash
             traceback.print_exc()
             results.append({"name": job["name"], "tokens": None, "attention": [], "error": f"{type(exc).__name__}: {exc}"})
-        json.dump({"vllm": vllm.__version__, "results": results}, open(sys.argv[2], "w"), indent=1)
+        json.dump({"vllm": vllm.__version__, "results": results}, open(args.results, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ mkdir -p "$out"/speed
 export PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$part" = a ]; then
-  timeout 330 python bench/kernels.py --ms 1,2,4,8,16,32,64,128,256,512,1024 --out "$out"/speed 2>&1 | tail -80
+  timeout 330 python bench/kernel_speed.py --ms 1,2,4,8,16,32,64,128,256,512,1024 --out "$out"/speed 2>&1 | tail -80
   timeout 200 python bench/kernels_e2e.py --work /tmp/e2e --out "$out"/e2e.json 2>&1 | tail -8
 elif [ "$part" = b ]; then
   timeout 320 python bench/kernels_check.py --quick --bits 4 --ms 1,3,16,21,30,45,64,77,130,300,500 > "$out"/kernels_check_w4.txt 2>&1

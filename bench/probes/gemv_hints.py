@@ -9,11 +9,15 @@ fetches 32-byte sectors. The variants ask L2 to fetch 128 or 256 bytes per miss 
 `.L2::256B`), add the non-coherent read-only path (`.nc`), or cache at L2 only (`.cg`). Every variant
 is the dispatch's configuration with only the load instruction's text changed (triton_mma's PTX
 generator wrapped, its cache cleared); each is checked against the torch reference, then timed as
-bench/kernels.py times (CUDA-graph medians over a ring of weight buffers larger than L2).
+bench/kernel_speed.py times (CUDA-graph medians over a ring of weight buffers larger than L2).
 --compile-only: compile every variant for sm_90a (ptxas) and stop — no GPU needed.
 """
 
 from __future__ import annotations
+
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
 
 import argparse
 import json

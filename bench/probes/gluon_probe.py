@@ -21,6 +21,10 @@ at commit 979f320 (this file), with their runs 51–56 in bench/KERNELS_NOTES.md
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
+
 import argparse
 import json
 from pathlib import Path
@@ -59,7 +63,9 @@ def main() -> None:
     from bench.lib.kernel_timing import graph_us, rel_err
     from bench.lib.kernels_mma import _rings, random_mw, reference
     from quantkit.kernels import dispatch, gluon_gemm
-    from tests.kernel_oracles import permute_x_torch  # torch's permute-and-copy, timed beside permute_x
+    from bench.lib.common import use_test_helpers
+    use_test_helpers()
+    from quantkit_testing.kernel_oracles import permute_x_torch  # torch's permute-and-copy, timed beside permute_x
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="16,32,64,128,256,1024", help="rows of x")
@@ -71,7 +77,7 @@ def main() -> None:
     ap.add_argument("--check-only", action="store_true", help="only the correctness check")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check (timings only)")
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8),
-                    help="weight bits (8: per-channel scales in the timings, as bench/kernels.py; "
+                    help="weight bits (8: per-channel scales in the timings, as bench/kernel_speed.py; "
                          "the W8 Gluon rows of kernels/dispatch_table.py were set from this, run 68)")
     ap.add_argument("--only", default=None, metavar="BM,SLOTS,ROWS,SPLIT;...",
                     help="check and time only these configurations (instead of SMALL / LARGE)")

@@ -9,6 +9,10 @@ and decode steps are timed: best of 5 × 60 steps.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
+
 import argparse
 import cProfile
 import pstats

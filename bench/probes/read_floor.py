@@ -5,7 +5,7 @@
 A read-only Triton kernel (16-byte loads, `unroll` loads in flight per thread, XOR-reduced so that
 nothing is optimised away, one int32 written per program) streams exactly the bytes of each
 Llama-2-7B layer's packed weights, scales and zeros (one flat buffer of that size), in the same
-CUDA-graph timing as bench/kernels.py (median over replays, a ring of buffers several times the L2
+CUDA-graph timing as bench/kernel_speed.py (median over replays, a ring of buffers several times the L2
 size). Every configuration below is timed and the fastest is the floor; beside it, in the same run,
 fp16 F.linear and our dispatched kernel at M = 1. Also read-only times over a range of sizes, for
 the intercept (µs at no bytes) and the marginal rate (TB/s) of a single launch.
@@ -14,6 +14,10 @@ Writes DIR/read_floor.json.
 """
 
 from __future__ import annotations
+
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
 
 import argparse
 import json

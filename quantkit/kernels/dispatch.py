@@ -10,7 +10,7 @@ interpreter, which cannot run the mma kernels' inline PTX).
 The rule (`choose`): among the rows of the layer's class, the first whose M bound is ≥ M, skipping
 Gluon rows where the GEMM may not run: not on this GPU or dtype, QUANTKIT_GLUON=0, or an eager call
 with M ≤ EAGER_GEMV_MAX_M (`choice_for`). QUANTKIT_DISPATCH_TABLE=path.json replaces the rows of the
-classes it names (the format `use_table` takes; `bench/kernels.py --tune` writes one). Each layer keeps
+classes it names (the format `use_table` takes; `bench/kernel_speed.py --tune` writes one). Each layer keeps
 its GEMV launches per M and dtype (`gemv_launch`), which skip Triton's argument binding after the first.
 """
 
@@ -61,7 +61,7 @@ def choose(bits: int, m: int, cls: str = "block-planar", gluon: bool = False) ->
 
 
 def use_table(table: dict, source: str = "the dispatch table") -> None:
-    """Replace the rows of the classes `table` names, e.g. with those bench/kernels.py --tune measured on
+    """Replace the rows of the classes `table` names, e.g. with those bench/kernel_speed.py --tune measured on
     another GPU: {"w4 block-planar": [[largest M, {"method", "params", "programs"}], ...], ...}."""
     new = {}
     for key, rows in table.items():
@@ -91,7 +91,7 @@ def _table_from_env() -> None:
             table = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{source}: cannot read it as JSON ({e}); point it at a table "
-                            f"bench/kernels.py --tune wrote, or unset it.") from None
+                            f"bench/kernel_speed.py --tune wrote, or unset it.") from None
         if not isinstance(table, dict):
             raise UserError(f"{source}: expected an object of classes to rows, e.g. {{\"w4 block-planar\": [...]}}.")
         use_table(table, source)

@@ -7,7 +7,7 @@
 
 Each row is the configuration timed fastest (or within 3 % of it) on the four Llama-2-7B linears at
 its M bound, CUDA-graph medians in µs in the comments (bench/KERNELS_NOTES.md has the runs), and holds
-down to the previous bound: block-planar rows by `bench/kernels.py --tune` (least time summed over the
+down to the previous bound: block-planar rows by `bench/kernel_speed.py --tune` (least time summed over the
 shapes), mma GEMV rows by `bench/lib/kernels_mma.py` (narrow layers want 8 warps splitting K, mid 4,
 wide 2; from M = 32 two row tiles per warp; PDL where it measured 4–20 % faster, used only under
 QUANTKIT_PDL=1), Gluon GEMM rows by `bench/probes/gluon_probe.py`. A Gluon row is followed, at the same bound, by the row that

@@ -31,7 +31,7 @@ the last tile are zero.
 The inner loop is inline PTX (`tl.inline_asm_elementwise`, one element per thread), so this kernel
 runs on NVIDIA GPUs only (sm_80 and later; PDL needs sm_90), not under a plain TRITON_INTERPRET; the
 CPU tests run the whole kernel under the interpreter with its inline PTX executed by a small PTX
-interpreter (tests/ptx_interp.py), and tests/kernel_oracles.py reproduces the arithmetic in torch. Figures and
+interpreter (tests/support/quantkit_testing/ptx_interp.py), and tests/support/quantkit_testing/kernel_oracles.py reproduces the arithmetic in torch. Figures and
 the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md.
 """
 

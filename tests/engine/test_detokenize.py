@@ -8,7 +8,7 @@ import pytest
 from quantkit.engine.config import SamplingParams
 from quantkit.engine.detokenize import IncrementalDetokenizer
 from quantkit.engine.sequence import Sequence, SequenceStatus
-from tiny import make_sentencepiece_tokenizer, make_tokenizer
+from quantkit_testing.tiny import make_sentencepiece_tokenizer, make_tokenizer
 
 TEXTS = [
     " the model quantizes weights into groups of integers",

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from quantkit.engine.images import ImageError, ImagePolicy, load_image
-from tiny_llava import data_url, make_image, png_header_only
+from quantkit_testing.tiny_llava import data_url, make_image, png_header_only
 
 
 def _refusal(source, policy: ImagePolicy) -> str:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from decoder_check import assert_same_logits, engine_logits, hf_logits, hf_model, make_prompts
+from quantkit_testing.decoder_check import assert_same_logits, engine_logits, hf_logits, hf_model, make_prompts
 from quantkit.engine.attention import Attention, AttnMetadata
 from quantkit.engine.model import load_decoder
 from quantkit.kernels.paged_kv import PagedKV

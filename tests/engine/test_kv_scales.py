@@ -105,7 +105,7 @@ def test_key_centres_load_with_the_model(with_stats, tmp_path, caplog):
     """load_decoder gives every attention layer the means of its calibrated key channels; a rotated pool
     subtracts them, which leaves the logits as they were (exact at KV16); statistics of another shape are
     logged and skipped."""
-    from decoder_check import engine_logits, make_prompts
+    from quantkit_testing.decoder_check import engine_logits, make_prompts
     from quantkit.engine.kv_scales import key_centers
     from quantkit.engine.model import load_decoder
 

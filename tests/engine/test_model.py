@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import quantkit
-from decoder_check import assert_same_logits, engine_logits, engine_step, hf_model, make_prompts
+from quantkit_testing.decoder_check import assert_same_logits, engine_logits, engine_step, hf_model, make_prompts
 from quantkit.config import QuantizeConfig, WeightQuantConfig
 from quantkit.engine.model import load_decoder
 from quantkit.engine.weights import _fuse_quant
@@ -16,7 +16,7 @@ from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
 from quantkit.kernels import reference
 from quantkit.nn import QuantLinear
-from tiny import TINY, make_tiny_model, make_tokenizer
+from quantkit_testing.tiny import TINY, make_tiny_model, make_tokenizer
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

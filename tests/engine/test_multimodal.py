@@ -12,7 +12,7 @@ from quantkit.config import UserError
 from quantkit.engine import EngineConfig, SamplingParams
 from quantkit.engine.llm_engine import Engine
 from quantkit.engine.multimodal import ImageInputs, step_embeds
-from tiny_llava import make_image, write_tiny_llava
+from quantkit_testing.tiny_llava import make_image, write_tiny_llava
 
 PROMPT = "describe the cache"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

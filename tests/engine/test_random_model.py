@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from decoder_check import assert_same_logits
+from quantkit_testing.decoder_check import assert_same_logits
 from quantkit.engine import Engine, EngineConfig, SamplingParams
 from quantkit.engine.random_model import SHAPES, RandomTensors, config_for, random_model, shape_config
 from quantkit.kernels import reference

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 import torch
-from tiny import poison_sampler
+from quantkit_testing.tiny import poison_sampler
 
 from quantkit.engine import Engine, EngineConfig, SamplingParams, llm_engine
 from quantkit.engine.llm_engine import EngineFailed, RequestFailed

@@ -7,7 +7,7 @@ import torch
 
 from quantkit.eval.perplexity import perplexity
 from quantkit.formats.kv_stats import KVStats
-from tiny import make_tiny_model, make_tokenizer
+from quantkit_testing.tiny import make_tiny_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")

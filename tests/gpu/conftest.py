@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_checks import write_small_llama
+from quantkit_testing.gpu_checks import write_small_llama
 
 
 @pytest.fixture(autouse=True)

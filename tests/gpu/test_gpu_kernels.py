@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_checks import capture, rel_err
+from quantkit_testing.gpu_checks import capture, rel_err
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
 from quantkit.nn import QuantLinear

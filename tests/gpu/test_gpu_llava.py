@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantkit.engine import Engine, EngineConfig, SamplingParams
-from tiny_llava import make_image, write_tiny_llava
+from quantkit_testing.tiny_llava import make_image, write_tiny_llava
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import quantkit
-from gpu_checks import rel_err
+from quantkit_testing.gpu_checks import rel_err
 from quantkit.nn import QuantLinear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

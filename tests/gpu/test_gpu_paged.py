@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from gpu_checks import capture, rel_err
+from quantkit_testing.gpu_checks import capture, rel_err
 from quantkit.kernels.paged_kv import PagedKV, paged_decode_attention, paged_prefill_attention, write_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -4,7 +4,7 @@ TRITON_INTERPRET must be set before a kernel module is imported (the @triton.jit
 so it is set here, at collection time. Two interpreter bugs are patched for the tests (Triton 3.x):
 a bf16 `tl.dot` multiplies the raw uint16 bit patterns, and fp32 → bf16 casts truncate instead of
 rounding to nearest even as the GPU does. The `mma_asm` fixture also lets the interpreter run the
-tensor-core GEMV's inline PTX (which it rejects) through tests/ptx_interp.py.
+tensor-core GEMV's inline PTX (which it rejects) through tests/support/quantkit_testing/ptx_interp.py.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def mma_asm(triton_interpreter):
     from the tensors passed to the returned `use_memory(*tensors)` (x and the packed words)."""
     from triton.runtime import interpreter as interp
 
-    from ptx_interp import TensorMemory, run_inline_asm
+    from quantkit_testing.ptx_interp import TensorMemory, run_inline_asm
 
     state = {}
 

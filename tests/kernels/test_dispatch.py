@@ -9,8 +9,8 @@ from collections import defaultdict
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_oracles import packed_layer
-from mma_layers import random_layer
+from quantkit_testing.kernel_oracles import packed_layer
+from quantkit_testing.mma_layers import random_layer
 
 from quantkit.config import UserError
 from quantkit.kernels import capture, dispatch

@@ -4,7 +4,7 @@ strided q/k/v views, per-head q/k norms and grouped-query heads."""
 
 import torch
 
-from decoder_check import assert_same_logits, hf_model
+from quantkit_testing.decoder_check import assert_same_logits, hf_model
 from quantkit.engine.model import load_decoder
 
 
@@ -16,7 +16,7 @@ def test_qwen3_on_triton_kernels_matches_transformers(tiny_models, monkeypatch):
 
 def test_glm_on_triton_kernels_matches_transformers(tmp_path, monkeypatch):
     """Glm's rotary (adjacent pairs on half of each head) through the Triton rope kernel, with q/k/v bias."""
-    from tiny import write_tiny_glm
+    from quantkit_testing.tiny import write_tiny_glm
 
     monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
     src = write_tiny_glm(tmp_path / "glm")

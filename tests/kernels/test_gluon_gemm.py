@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_oracles import emulate_gluon_gemm, permute_x_torch, row_words
-from mma_layers import random_layer
-from ptx_interp import Warp, f2h, h2f
+from quantkit_testing.kernel_oracles import emulate_gluon_gemm, permute_x_torch, row_words
+from quantkit_testing.mma_layers import random_layer
+from quantkit_testing.ptx_interp import Warp, f2h, h2f
 
 from quantkit.kernels import gluon_gemm, triton_mma
 

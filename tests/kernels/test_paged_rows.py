@@ -3,7 +3,7 @@ attention over what the cache stores, the torch reference (kernels/paged_kv.py) 
 the choice between the two kernels (triton_paged.decode_variant).
 
 Contexts of 0 to several tiles with partial last blocks, random non-contiguous block tables, NaN in the
-unused slots of fp16/bf16 pools (test_paged_kv.filled_cache), one to four query heads per kv head.
+unused slots of fp16/bf16 pools (quantkit_testing.paged_cases.filled_cache), one to four query heads per kv head.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from quantkit.kernels import triton_paged
 from quantkit.kernels.paged_kv import paged_decode_attention
-from kernels.test_paged_kv import attention64, filled_cache, stored_values  # tests/ is on the path
+from quantkit_testing.paged_cases import attention64, filled_cache, stored_values
 
 CASES = [  # bits, dtype, heads, kv_heads, head_dim, partitions (None: num_partitions), block_n
     (16, torch.float16, 2, 2, 64, None, 64),

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
 from quantkit.kernels import triton_layout
-from kernel_oracles import packed_layer
+from quantkit_testing.kernel_oracles import packed_layer
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 

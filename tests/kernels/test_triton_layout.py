@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mma_layers import mma_codes
+from quantkit_testing.mma_layers import mma_codes
 
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed

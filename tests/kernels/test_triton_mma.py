@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_oracles import emulate_mma_gemv
-from mma_layers import mma_codes, random_layer
-from ptx_interp import Warp
+from quantkit_testing.kernel_oracles import emulate_mma_gemv
+from quantkit_testing.mma_layers import mma_codes, random_layer
+from quantkit_testing.ptx_interp import Warp
 
 from quantkit.kernels import launch as launch_mod
 from quantkit.kernels import triton_mma as tm
@@ -176,7 +176,7 @@ def _reference(x, w, bias):
 def test_gemv_kernel_under_the_interpreter(mma_asm, bits, m, k, n, bf16, warps, tiles, rows, warps_n, split_k, pdl,
                                            bias):
     """The whole Triton kernel (operands, row groups, split-K workspace, masks, stores) on the CPU: the
-    interpreter runs its Python and tests/ptx_interp.py its inline PTX, on NaN-poisoned outputs."""
+    interpreter runs its Python and tests/support/quantkit_testing/ptx_interp.py its inline PTX, on NaN-poisoned outputs."""
     gs = 128
     mw, _, w, _ = random_layer(n, k, bits, gs, seed=m * 7 + n)
     dtype = torch.bfloat16 if bf16 else torch.float16

@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 import torch
-from kernels.test_paged_kv import BLOCK, attention64, filled_cache, rel, stored_values
 
 from quantkit.kernels import triton_prefill
 from quantkit.kernels.paged_kv import paged_prefill_attention
+from quantkit_testing.paged_cases import BLOCK, attention64, filled_cache, rel, stored_values
 
 LENS = [37, 21, 50, 9, 16, 33]  # cached tokens per sequence
 NEW = [37, 5, 20, 0, 16, 1]  # of which new (queries): whole prompts, cached prefixes, none, one

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from decoder_check import engine_logits, make_prompts
-from tiny import make_sentencepiece_tokenizer
+from quantkit_testing.decoder_check import engine_logits, make_prompts
+from quantkit_testing.tiny import make_sentencepiece_tokenizer
 
 import quantkit
 from quantkit.cli import main as cli_main

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from decoder_check import engine_step
-from tiny import make_sentencepiece_tokenizer
+from quantkit_testing.decoder_check import engine_step
+from quantkit_testing.tiny import make_sentencepiece_tokenizer
 
 import quantkit
 from quantkit import build_config
@@ -530,8 +530,8 @@ def test_cli_int8_then_engine(release, tmp_path):
 def test_plain_glm_checkpoint_engine_and_awq(text_file, tmp_path):
     """The 'glm' registry entry: the engine matches transformers' GlmForCausalLM step by step; without
     grouped-query heads AWQ's v→o group scales o_proj's inputs on equal shapes; the export reloads."""
-    from decoder_check import assert_same_logits, hf_model
-    from tiny import write_tiny_glm
+    from quantkit_testing.decoder_check import assert_same_logits, hf_model
+    from quantkit_testing.tiny import write_tiny_glm
 
     from quantkit.engine.model import load_decoder
 
@@ -560,7 +560,7 @@ def test_plain_glm_checkpoint_engine_and_awq(text_file, tmp_path):
 def test_awq_folds_keep_the_glm_function(monkeypatch):
     """With quantization switched off, every searched scale folds without changing the logits: the
     gate_up → down group divides only the up half of gate_up_proj's rows (dividing gate would not cancel)."""
-    from tiny import TINY
+    from quantkit_testing.tiny import TINY
     from transformers import GlmConfig, GlmForCausalLM
 
     from quantkit.models.registry import spec_for_config

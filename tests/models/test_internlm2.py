@@ -19,7 +19,7 @@ from quantkit.config import UserError
 from quantkit.models.internlm2 import split_wqkv
 from quantkit.models.loading import load_fp_model
 from quantkit.models.tokenizer_convert import sentencepiece_to_fast
-from tiny import TINY, llama_to_internlm2, make_text
+from quantkit_testing.tiny import TINY, llama_to_internlm2, make_text
 
 
 def test_split_wqkv_grouping():

@@ -3,7 +3,7 @@ language model quantizes, the export keeps the vision half byte for byte and loa
 own Llava classes (through quantkit.load) with the engine's greedy answer.
 
 The reference is transformers' LlavaForConditionalGeneration / LlavaNextForConditionalGeneration (native
-classes, no remote code) on tiny random checkpoints written in the llava-hf layout by tests/tiny_llava.py.
+classes, no remote code) on tiny random checkpoints written in the llava-hf layout by tests/support/quantkit_testing/tiny_llava.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from quantkit.engine.llm_engine import Engine
 from quantkit.engine.sequence import Sequence
 from quantkit.models import llava
 from quantkit.models.loading import load_fp_model
-from tiny import make_text
-from tiny_llava import make_image, messages, write_tiny_llava
+from quantkit_testing.tiny import make_text
+from quantkit_testing.tiny_llava import make_image, messages, write_tiny_llava
 
 FAMILIES = ["llava", "llava_next"]
 PROMPT = "describe the cache"

@@ -20,8 +20,8 @@ import pytest
 import regex
 import torch
 import torch.nn.functional as F
-from decoder_check import engine_logits, make_prompts
-from tiny import make_text
+from quantkit_testing.decoder_check import engine_logits, make_prompts
+from quantkit_testing.tiny import make_text
 
 import quantkit
 from quantkit.config import UserError, build_config

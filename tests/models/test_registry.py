@@ -3,7 +3,7 @@
 import pytest
 
 from quantkit.models import UnsupportedArchitecture, spec_for_architecture, spec_for_config, supported_architectures
-from tiny import make_tiny_model
+from quantkit_testing.tiny import make_tiny_model
 
 
 def test_unsupported_lists_supported():

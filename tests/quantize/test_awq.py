@@ -16,7 +16,7 @@ from quantkit.config import build_config
 from quantkit.models.loading import load_fp_model
 from quantkit.quantize import awq as awq_mod
 from quantkit.quantize.folding import HeadTying, fold_scales
-from tiny import make_tiny_model
+from quantkit_testing.tiny import make_tiny_model
 
 FAST = {"awq.n_grid": 8, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32}
 

@@ -14,7 +14,7 @@ from quantkit.formats.kv_stats import FILE_NAME, LEGACY_FILE_NAME, read_kv_stats
 from quantkit.models.loading import LoadedModel
 from quantkit.models.registry import spec_for_config
 from quantkit.quantize.export import export_config
-from tiny import make_tiny_model, make_tokenizer
+from quantkit_testing.tiny import make_tiny_model, make_tokenizer
 
 
 def _quantize(src, text_file, out, fmt):

@@ -16,7 +16,7 @@ from quantkit.formats.kv_stats import read_kv_stats
 from quantkit.quantize import export
 from quantkit.quantize.kv_stats import kv_calibrate
 from quantize.test_export_interop import _quantize
-from tiny import make_text
+from quantkit_testing.tiny import make_text
 
 SCALE_SUFFIXES = KV_SCALE_NAMES
 

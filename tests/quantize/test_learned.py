@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import quantkit
-from decoder_check import assert_same_logits
+from quantkit_testing.decoder_check import assert_same_logits
 from quantkit.config import ConfigError, WeightQuantConfig, build_config
 from quantkit.engine.model import load_decoder
 from quantkit.models.loading import load_fp_model
@@ -20,7 +20,7 @@ from quantkit.quantize import awq as awq_mod
 from quantkit.quantize.learned import LearnedWeight
 from quantkit.quantize.primitives import quantize_weight, quantize_with
 from quantkit.quantize.rounding import gptq_codes
-from tiny import make_tiny_model
+from quantkit_testing.tiny import make_tiny_model
 
 FAST = {"awq.n_grid": 8, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32}
 

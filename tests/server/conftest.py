@@ -1,5 +1,5 @@
 """Fixtures of tests/server: the tiny chat model on disk, its tokenizer, and the shared `quantkit serve`
-subprocess (helpers in tests/serve_process.py)."""
+subprocess (helpers in tests/support/quantkit_testing/serve_process.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_process import SERVED_NAME, ServerProcess, metrics, write_chat_model
+from quantkit_testing.serve_process import SERVED_NAME, ServerProcess, metrics, write_chat_model
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """`quantkit api-client`: streamed answers, the history sent with every turn, `clear` and `exit`, Ctrl-C (a
 real SIGINT) stopping one answer and the server's request with it, one-line errors. Against the scripted
-server of tests/fake_openai.py."""
+server of tests/support/quantkit_testing/fake_openai.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 import pytest
 import requests
 
-from fake_openai import FakeOpenAI
-from serve_process import wait_for
+from quantkit_testing.fake_openai import FakeOpenAI
+from quantkit_testing.serve_process import wait_for
 from quantkit.server.api_client import (ApiChatSession, ChatOptions, OpenAIClient, ServerError, api_client,
                                         parse_server_url, run_api_client, sse_data)
 

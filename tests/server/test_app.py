@@ -8,7 +8,7 @@ import json
 import pytest
 import requests
 
-from serve_process import CHAT_TEMPLATE, SERVED_NAME
+from quantkit_testing.serve_process import CHAT_TEMPLATE, SERVED_NAME
 
 MESSAGES = [{"role": "system", "content": "you answer about caches"},
             {"role": "user", "content": "the model quantizes weights"},

@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from serve_process import SERVED_NAME
+from quantkit_testing.serve_process import SERVED_NAME
 
 BODY = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "the cache keeps keys and values"}],
         "max_tokens": 10, "temperature": 0.8, "seed": 21, "ignore_eos": True}

@@ -17,7 +17,7 @@ import time
 import pytest
 import requests
 
-from serve_process import SERVED_NAME, ServerProcess, assert_error, metrics, wait_idle
+from quantkit_testing.serve_process import SERVED_NAME, ServerProcess, assert_error, metrics, wait_idle
 
 KEY = "sekret-key"
 CHAT = "/v1/chat/completions"

@@ -89,7 +89,7 @@ def make_baichuan(root: Path) -> tuple[Path, Callable, list[int]]:
 
 def make_chatglm3(root: Path) -> tuple[Path, Callable, list[int]]:
     import sentencepiece as spm
-    from tiny import make_sentencepiece_tokenizer
+    from quantkit_testing.tiny import make_sentencepiece_tokenizer
 
     t = family_module("chatglm")
     make_sentencepiece_tokenizer(root / "sp", **t.NORMALIZER)
@@ -220,7 +220,7 @@ def test_quantkit_serve_command_on_the_export(family, one_thread, tmp_path):
     """`quantkit serve EXPORT --port 0` itself (the CLI, the engine in its own process), on one family (a
     process start costs ~10 s; the others' exports differ from it only in what the test above checks):
     the same whole answer."""
-    from serve_process import ServerProcess
+    from quantkit_testing.serve_process import ServerProcess
 
     engine = Engine(family.export, EngineConfig(device="cpu", num_kv_tokens=512))
     want = engine.generate([family.prompt_ids(MESSAGES)], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),

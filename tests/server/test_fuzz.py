@@ -18,11 +18,11 @@ import requests
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
-from serve_process import SERVED_NAME, wait_idle
+from quantkit_testing.serve_process import SERVED_NAME, wait_idle
 
 BATCHES = 3
 EXAMPLES_PER_BATCH = 100
-VOCAB = 320   # tests/tiny.py's model
+VOCAB = 320   # tests/support/quantkit_testing/tiny.py's model
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 DEEP = "\x00deep:"   # a string standing for that many nested arrays, spliced into the JSON text
 

@@ -12,8 +12,8 @@ import pytest
 import requests
 import torch
 
-from serve_process import ServerProcess
-from tiny_llava import data_url, make_image, png_header_only, write_tiny_llava
+from quantkit_testing.serve_process import ServerProcess
+from quantkit_testing.tiny_llava import data_url, make_image, png_header_only, write_tiny_llava
 
 PROMPT = "describe the cache"
 MAX_IMAGE_BYTES = 100_000

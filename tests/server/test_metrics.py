@@ -6,7 +6,7 @@ from __future__ import annotations
 import requests
 
 from quantkit.server.metrics import Histogram
-from serve_process import wait_idle
+from quantkit_testing.serve_process import wait_idle
 
 
 def test_histogram_is_cumulative():

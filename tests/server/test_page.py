@@ -1,7 +1,7 @@
 """The chat page in headless Chromium (Debian's /usr/bin/chromium driven by Playwright): a streamed answer
 appears piece by piece, the second turn sends the history and the settings, Stop aborts the server's
 request and keeps what was shown, Clear starts over, server errors reach the user: the page served by
-`quantkit webui` in front of the scripted server of tests/fake_openai.py, which records what it got. Then
+`quantkit webui` in front of the scripted server of tests/support/quantkit_testing/fake_openai.py, which records what it got. Then
 the page at / of the real `quantkit serve` (and webui in front of it) on a tiny random model."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import requests
 from playwright.sync_api import sync_playwright
 
-from fake_openai import FakeOpenAI
-from serve_process import SERVED_NAME, wait_for
+from quantkit_testing.fake_openai import FakeOpenAI
+from quantkit_testing.serve_process import SERVED_NAME, wait_for
 from quantkit.server.webui import WebUIConfig, WebUIServer
 
 # Debian's package (.ci/run installs it; Playwright's own browser download is not used). Elsewhere, point

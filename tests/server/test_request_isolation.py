@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from serve_process import wait_for
-from tiny import poison_sampler
+from quantkit_testing.serve_process import wait_for
+from quantkit_testing.tiny import poison_sampler
 
 from quantkit.engine import Engine, EngineConfig
 

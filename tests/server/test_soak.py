@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from serve_process import wait_idle
+from quantkit_testing.serve_process import wait_idle
 
 TOTAL, CONCURRENCY, LEAVE_EVERY = 500, 32, 5
 FULL_TOKENS, LEAVER_TOKENS = 6, 40

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from serve_process import SERVED_NAME, ServerProcess, metrics
+from quantkit_testing.serve_process import SERVED_NAME, ServerProcess, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # bench/ lives at the repository root
 from bench.lib.soak_client import Result  # noqa: E402

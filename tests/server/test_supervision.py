@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from serve_process import ServerProcess, metrics, wait_for
+from quantkit_testing.serve_process import ServerProcess, metrics, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "the cache keeps keys"}], "max_tokens": 4, "ignore_eos": True}

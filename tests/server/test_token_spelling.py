@@ -10,7 +10,7 @@ import requests
 from quantkit.engine.sampler import TokenLogprobs
 from quantkit.server.generation import Renderer
 from quantkit.server.token_spelling import TokenSpeller
-from tiny import make_sentencepiece_tokenizer, make_tokenizer
+from quantkit_testing.tiny import make_sentencepiece_tokenizer, make_tokenizer
 
 # ☃ (3 bytes) and 中 are outside the byte-level tokenizer's merges: a character split over byte tokens.
 TEXT = "the model\nquantizes é ☃ weights 中"

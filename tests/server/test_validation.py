@@ -12,12 +12,12 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from serve_process import SERVED_NAME, ServerProcess, assert_error, wait_idle
+from quantkit_testing.serve_process import SERVED_NAME, ServerProcess, assert_error, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "the model"}]
-VOCAB = 320   # tests/tiny.py's TINY vocab_size: the model's, which the tokenizer's 300 ids fit in
+VOCAB = 320   # tests/support/quantkit_testing/tiny.py's TINY vocab_size: the model's, which the tokenizer's 300 ids fit in
 
 
 def post_raw(url: str, body: bytes, content_type: str | None = "application/json") -> requests.Response:

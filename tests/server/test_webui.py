@@ -1,6 +1,6 @@
 """`quantkit webui`: the page at /, /v1/* forwarded to an OpenAI-compatible server and streamed back as it
 arrives, the API key added on this side, a browser that leaves aborting the upstream request, one-line
-errors. Against the scripted server of tests/fake_openai.py."""
+errors. Against the scripted server of tests/support/quantkit_testing/fake_openai.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from fake_openai import FakeOpenAI
+from quantkit_testing.fake_openai import FakeOpenAI
 from quantkit.config import UserError
 from quantkit.server.webui import PAGE, WebUIConfig, WebUIServer
 

@@ -42,7 +42,7 @@ def write_small_llama(directory: Path, seed: int = 0) -> Path:
     4 KV heads), MLP 2816, every input dimension a multiple of 128; the tests' tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tiny import make_tokenizer
+    from quantkit_testing.tiny import make_tokenizer
 
     config = LlamaConfig(vocab_size=320, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiny import TINY, make_tokenizer
+from quantkit_testing.tiny import TINY, make_tokenizer
 
 IMAGE_SIZE = 56
 PATCH = 14
@@ -48,7 +48,7 @@ def make_llava(next_: bool, seed: int = 0, text: dict | None = None):
     torch.manual_seed(seed)
     cls = LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration
     model = cls(llava_config(next_, text)).eval()
-    # Spread the weights (as tests/tiny.py does) so that the image changes the answer.
+    # Spread the weights (as tests/support/quantkit_testing/tiny.py does) so that the image changes the answer.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

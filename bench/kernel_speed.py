@@ -1,6 +1,6 @@
 """W4A16 / W8A16 kernels against torch fp16 F.linear and torch's int4 kernel at Llama-2-7B shapes (H200).
 
-    PYTHONPATH=. python bench/kernels.py --out DIR [--tune] [--table table.json]
+    PYTHONPATH=. python bench/kernel_speed.py --out DIR [--tune] [--table table.json]
 
 --tune first times every candidate kernel configuration (bench/lib/kernel_candidates.py) summed over the
 four shapes, per M, and installs the fastest as the dispatch table (written to DIR/table.json, then
@@ -15,6 +15,10 @@ DIR/kernels.json, DIR/kernels.md and DIR/kernels_speedup.png.
 """
 
 from __future__ import annotations
+
+if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
+    import sys as _sys, pathlib as _pathlib
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
 
 import argparse
 import json

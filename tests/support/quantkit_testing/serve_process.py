@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from tiny import make_tiny_model, make_tokenizer
+from quantkit_testing.tiny import make_tiny_model, make_tokenizer
 
 # System turns, alternating roles, and an end token after each turn, as real chat templates have.
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
