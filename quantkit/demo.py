@@ -42,6 +42,9 @@ class DemoSettings:
     eval_seqlen: int = 512
     data_dir: str | None = None
     install: bool = True
+    model: str | None = None  # a model directory or .gguf file instead of SmolLM2-135M-Instruct
+    verbose: bool = False  # the libraries' own progress bars and notes too
+    answer_tokens: int = 160  # room for the answers to end by themselves; a cut one is shown to its last sentence
 
 
 def find_demo_model(install: bool = True, echo: Callable[[str], None] = print) -> Path:
@@ -69,6 +72,24 @@ def pick_dataset(data_dir: str | None, echo: Callable[[str], None] = print) -> s
         return "pydoc"
 
 
+def up_to_last_sentence(text: str) -> str:
+    """An answer cut at the token limit, shown up to its last finished sentence (all of it if it has none)."""
+    text = text.strip()
+    ends = [text.rfind(mark) for mark in (". ", "! ", "? ", "。", "！", "？")] + \
+           [len(text) - 1 if text.endswith(mark) else -1 for mark in (".", "!", "?")]
+    end = max(ends)
+    return text[: end + 1].strip() if end > 0 else text
+
+
+def _quiet_libraries() -> None:
+    """transformers' own progress bars (GGUF unpacking, weight loading) and notes: the demo shows one bar per
+    phase of its own, and a note the user cannot act on is noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None] = print):
     """Quantize, compare fp vs quantized (table, Markdown report, PNG chart), show two greedy answers
     of the quantized checkpoint on the engine."""
@@ -77,7 +98,9 @@ def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None
     from quantkit.eval.report import print_table
 
     t0 = time.perf_counter()
-    gguf = find_demo_model(settings.install, echo)
+    if not settings.verbose:
+        _quiet_libraries()
+    model_path = Path(settings.model) if settings.model else find_demo_model(settings.install, echo)
     dataset = pick_dataset(settings.data_dir, echo)
     config = QuantizeConfig(
         method=settings.method,
@@ -88,18 +111,20 @@ def run_demo(settings: DemoSettings = DemoSettings(), echo: Callable[[str], None
         awq=AWQConfig(n_grid=10, clip=False),
         device="cpu",
     )
-    echo(f"quantizing {gguf.name} with {settings.method.upper()} W{settings.bits} g{settings.group_size}, "
+    echo(f"quantizing {model_path.name} with {settings.method.upper()} W{settings.bits} g{settings.group_size}, "
          f"calibrated on {dataset} ({settings.calib_samples} × {settings.calib_seqlen} tokens) …")
-    result = quantkit.quantize(str(gguf), config, work_dir=settings.work_dir, overwrite=True)
-    echo(f"wrote {result.work_dir} in {result.report['wall_time_s']:.0f}s; comparing with the original …")
+    result = quantkit.quantize(str(model_path), config, work_dir=settings.work_dir, overwrite=True)
+    echo(f"wrote {result.work_dir} in {result.report['wall_time_s']:.0f} s; comparing with the original …")
     report = Path(settings.work_dir).with_name(Path(settings.work_dir).name + "-report.md")
-    comparison = compare(gguf, [result.work_dir], datasets=[dataset], seqlen=settings.eval_seqlen,
+    comparison = compare(model_path, [result.work_dir], datasets=[dataset], seqlen=settings.eval_seqlen,
                          windows=settings.eval_windows, data_dir=settings.data_dir, device="cpu", output=report)
-    print_table(comparison, title=f"SmolLM2-135M-Instruct, {dataset} test, {settings.eval_windows} × {settings.eval_seqlen} tokens")
+    name = "SmolLM2-135M-Instruct" if settings.model is None else model_path.name
+    print_table(comparison, title=f"{name}, {dataset} test, {settings.eval_windows} × {settings.eval_seqlen} tokens")
     pipe = quantkit.pipeline(result.work_dir, quantkit.EngineConfig(device="cpu", num_kv_tokens=1024))
-    answers = pipe(DEMO_PROMPTS, max_new_tokens=32, temperature=0.0, progress=False)
+    answers = pipe(DEMO_PROMPTS, max_new_tokens=settings.answer_tokens, temperature=0.0, progress=False)
     for prompt, resp in zip(DEMO_PROMPTS, answers):
-        echo(f"\n> {prompt}\n{resp.text.strip()}")
+        text = up_to_last_sentence(resp.text) if resp.finish_reason == "length" else resp.text.strip()
+        echo(f"\n> {prompt}\n{text}")
     echo(f"\ncheckpoint: {result.work_dir}   report: {' + '.join(comparison.written)}   "
-         f"total time: {time.perf_counter() - t0:.0f}s")
+         f"total time: {time.perf_counter() - t0:.0f} s")
     return comparison

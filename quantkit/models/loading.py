@@ -73,6 +73,17 @@ def transformers_config(path: Path):
     return config
 
 
+def _gguf_dequantized() -> dict:
+    """from_pretrained's arguments for a GGUF file unpacked to plain float weights, which quantization needs.
+    transformers ≥ 5.25 otherwise keeps the blocks packed where the `kernels` package has a kernel (and warns
+    that float16 is slow for those); earlier releases always unpack and have no GgufConfig."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def _load_tokenizer(path: Path, gguf_file: Optional[str] = None, spec: Optional[ArchSpec] = None):
     from transformers import AutoTokenizer
 
@@ -132,7 +143,8 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
             import gguf  # noqa: F401
         except ImportError:
             raise ModelLoadError("loading .gguf files needs the gguf package: pip install 'quantkit[demo]'") from None
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
+                                                     **_gguf_dequantized())
         # The GGUF weights are dequantized now; the config must not claim otherwise on export.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -107,7 +107,8 @@ def serve(
     from quantkit.server.launch import ServeConfig
     from quantkit.server.launch import serve as run_serve
 
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries' notes: warnings only
+    logging.getLogger("quantkit").setLevel(logging.WARNING if quiet else logging.INFO)
     check_device(device)
     engine = EngineConfig(kv_bits=kv_bits, kv_scales=kv_scales, cache_max_entry_count=cache_max_entry_count,
                           num_kv_tokens=num_kv_tokens,
