@@ -14,18 +14,14 @@ from quantkit.formats.kv_stats import FILE_NAME, LEGACY_FILE_NAME, read_kv_stats
 from quantkit.models.loading import LoadedModel
 from quantkit.models.registry import spec_for_config
 from quantkit.quantize.export import export_config
+from quantkit_testing.export_check import rtn_export
 from quantkit_testing.tiny import make_tiny_model, make_tokenizer
-
-
-def _quantize(src, text_file, out, fmt):
-    cfg = QuantizeConfig(method="rtn", weight=WeightQuantConfig(4, 32), format=fmt)
-    return quantkit.quantize(str(src), cfg, work_dir=out, progress=False, kv_calib=str(text_file)).work_dir
 
 
 @pytest.fixture(scope="module")
 def exports(tiny_models, text_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("interop")
-    return {fmt: _quantize(tiny_models["llama"], text_file, root / fmt, fmt) for fmt in ("awq", "compressed-tensors")}
+    return {fmt: rtn_export(tiny_models["llama"], text_file, root / fmt, fmt) for fmt in ("awq", "compressed-tensors")}
 
 
 @pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])

@@ -15,7 +15,7 @@ from quantkit.formats.compressed_tensors import KV_SCALE_NAMES, kv_cache_scales
 from quantkit.formats.kv_stats import read_kv_stats
 from quantkit.quantize import export
 from quantkit.quantize.kv_stats import kv_calibrate
-from quantize.test_export_interop import _quantize
+from quantkit_testing.export_check import rtn_export
 from quantkit_testing.tiny import make_text
 
 SCALE_SUFFIXES = KV_SCALE_NAMES
@@ -24,10 +24,10 @@ SCALE_SUFFIXES = KV_SCALE_NAMES
 @pytest.fixture(scope="module")
 def exports(tiny_models, text_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("refresh")
-    out = {fmt: _quantize(tiny_models["llama"], text_file, root / fmt, fmt) for fmt in ("awq", "compressed-tensors")}
+    out = {fmt: rtn_export(tiny_models["llama"], text_file, root / fmt, fmt) for fmt in ("awq", "compressed-tensors")}
     with pytest.MonkeyPatch.context() as mp:  # shards small enough that the tiny model spans several
         mp.setattr(export, "STREAM_SHARD_BYTES", 64 * 1024)
-        out["sharded"] = _quantize(tiny_models["llama"], text_file, root / "sharded", "compressed-tensors")
+        out["sharded"] = rtn_export(tiny_models["llama"], text_file, root / "sharded", "compressed-tensors")
     return out
 
 

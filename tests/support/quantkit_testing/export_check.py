@@ -44,3 +44,12 @@ def assert_export_is_the_in_memory_model(memory_model, exported, ids: torch.Tens
     assert torch.isfinite(got).all()
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= LOGITS_REL_TOL, f"logits of the same weights differ by {err:.2e} of their scale"
+
+
+def rtn_export(src, text_file, out, fmt: str):
+    """A W4 g32 round-to-nearest export of `src` in `fmt`, with KV statistics from `text_file`."""
+    import quantkit
+    from quantkit.config import QuantizeConfig, WeightQuantConfig
+
+    cfg = QuantizeConfig(method="rtn", weight=WeightQuantConfig(4, 32), format=fmt)
+    return quantkit.quantize(str(src), cfg, work_dir=out, progress=False, kv_calib=str(text_file)).work_dir
