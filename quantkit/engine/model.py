@@ -38,11 +38,12 @@ class DecoderAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias or spec.extra.get("qkv_bias", False)
+        qkv_bias = attention_bias or spec.qkv_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         # Glm: attention_bias puts a bias on q/k/v only (the registry entry says o_proj has none).
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=spec.extra.get("o_proj_bias", attention_bias))
-        if spec.extra.get("qk_norm", False):
+        o_bias = attention_bias if spec.o_proj_bias is None else spec.o_proj_bias
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
@@ -116,7 +117,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         with torch.device("cpu"):  # a computed table, never a checkpoint tensor (the model may be built on meta)
-            self.rotary_emb = RotaryEmbedding(config, max_positions, spec.extra.get("rope_interleaved", False))
+            self.rotary_emb = RotaryEmbedding(config, max_positions, spec.rope_interleaved)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, self.rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

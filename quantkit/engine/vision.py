@@ -36,7 +36,7 @@ class NoImagesError(UserError):
 
 
 def is_vision_checkpoint(path: Path) -> bool:
-    return bool(spec_for_config(read_config_json(path)).extra.get("vision"))
+    return bool(spec_for_config(read_config_json(path)).vision)
 
 
 def _vision_model(path: Path, config: Any, device: torch.device, dtype: torch.dtype):

@@ -60,10 +60,10 @@ GLM_GROUPS = (
 )
 # What the engine's decoder builds beyond the Llama block: rotary pairs (2i, 2i + 1) on the first
 # partial_rotary_factor of each head, and no o_proj bias whatever attention_bias says.
-GLM_EXTRA = {"rope_interleaved": True, "o_proj_bias": False}
+GLM_EXTRA = {"rope_interleaved": True, "o_proj_bias": False}  # GLM and ChatGLM (in GLM's layout)
 
 GLM = register(
-    ArchSpec("glm", ("GlmForCausalLM",), linears=GLM_LINEARS, groups=GLM_GROUPS, extra=GLM_EXTRA,
+    ArchSpec("glm", ("GlmForCausalLM",), linears=GLM_LINEARS, groups=GLM_GROUPS, **GLM_EXTRA,
              notes="q/k/v carry a bias (o_proj none); gate/up are one linear; rotary on half of each head, "
                    "in adjacent pairs")
 )
@@ -331,7 +331,7 @@ CHATGLM = register(
         ("ChatGLMModel", "ChatGLMForConditionalGeneration"),
         linears=GLM_LINEARS,
         groups=GLM_GROUPS,
-        extra=GLM_EXTRA,
+        **GLM_EXTRA,
         export_architecture="GlmForCausalLM",
         conversion=Conversion(
             config=lambda cfg: glm_config(cfg),

@@ -21,9 +21,9 @@ LLAMA = register(ArchSpec("llama", ("LlamaForCausalLM",), linears=LLAMA_LINEARS,
 MISTRAL = register(ArchSpec("mistral", ("MistralForCausalLM",), linears=LLAMA_LINEARS, groups=LLAMA_GROUPS))
 QWEN2 = register(
     ArchSpec("qwen2", ("Qwen2ForCausalLM",), linears=LLAMA_LINEARS, groups=LLAMA_GROUPS,
-             notes="q/k/v carry a bias; it is kept in fp16 beside the packed weight", extra={"qkv_bias": True})
+             notes="q/k/v carry a bias; it is kept in fp16 beside the packed weight", qkv_bias=True)
 )
 QWEN3 = register(
     ArchSpec("qwen3", ("Qwen3ForCausalLM",), linears=LLAMA_LINEARS, groups=LLAMA_GROUPS,
-             notes="q_norm/k_norm act per head after the projections and stay unquantized", extra={"qk_norm": True})
+             notes="q_norm/k_norm act per head after the projections and stay unquantized", qk_norm=True)
 )

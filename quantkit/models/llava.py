@@ -110,7 +110,7 @@ def _spec(name: str, architecture: str) -> ArchSpec:
             ),
             notes="the language model is quantized and run by the engine; the vision tower, projector and "
                   "image_newline are kept bit for bit; exported in the source (llava-hf) layout",
-            extra={"vision": True, "transformers_state_dict": transformers_state_dict},
+            vision=True, transformers_state_dict=transformers_state_dict,
         )
     )
 

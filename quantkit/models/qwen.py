@@ -182,6 +182,6 @@ QWEN = register(
             tokenizer=load_tokenizer, generation=stop_tokens,
         ),
         notes="Qwen (v1) converted to the Qwen2 layout on load; exported as Qwen2ForCausalLM",
-        extra={"qkv_bias": True},
+        qkv_bias=True,
     )
 )

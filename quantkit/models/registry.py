@@ -7,7 +7,7 @@ and the module whose output measures the loss of a candidate scaling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -88,7 +88,17 @@ class ArchSpec:
     # Set for families run in another family's layout (their names below are the target's names).
     conversion: Optional[Conversion] = None
     notes: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    # What the engine's decoder builds beyond a Llama block.
+    qkv_bias: bool = False                 # q/k/v carry a bias even where the config's attention_bias is off
+    o_proj_bias: Optional[bool] = None     # None: as the config's attention_bias
+    qk_norm: bool = False                  # per-head RMSNorm on q and k after the projections (Qwen3)
+    rope_interleaved: bool = False         # rotary on adjacent pairs of half of each head (GLM)
+    vision: bool = False                   # an image-text model (LLaVA): the engine loads its vision tower
+    # Linears whose clip range AWQ never searches: a per-linear output error says nothing about how the
+    # softmax reacts to clipped queries and keys (the published method skips them as well).
+    no_clip: tuple[str, ...] = ("q_proj", "k_proj", "wq", "wk", "query", "key")
+    # For families whose exports transformers loads under another class: its state dict from ours.
+    transformers_state_dict: Optional[Callable[[dict], dict]] = None
 
 
 _REGISTRY: dict[str, ArchSpec] = {}

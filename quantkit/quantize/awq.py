@@ -41,11 +41,6 @@ from quantkit.quantize.search import candidate_scales, search_scales, weight_mag
 
 log = logging.getLogger(__name__)
 
-# Linears whose clip range is never searched: a per-linear output error says nothing about how the
-# softmax reacts to clipped queries and keys (the published method skips them as well).
-DEFAULT_NO_CLIP = ("q_proj", "k_proj", "wq", "wk", "query", "key")
-
-
 def resolve_device(name: Optional[str]) -> torch.device:
     if name:
         return torch.device(name)
@@ -60,8 +55,7 @@ def input_sets(spec: ArchSpec) -> list[tuple[str, ...]]:
 
 
 def _clipped(spec: ArchSpec, name: str) -> bool:
-    no_clip = spec.extra.get("no_clip", DEFAULT_NO_CLIP)
-    return name.rsplit(".", 1)[-1] not in no_clip
+    return name.rsplit(".", 1)[-1] not in spec.no_clip
 
 
 class _Phases:

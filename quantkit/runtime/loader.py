@@ -92,7 +92,7 @@ def _transformers_names(config: Any):
     from quantkit.models.registry import UnsupportedArchitecture, spec_for_config
 
     try:
-        return spec_for_config(config).extra.get("transformers_state_dict")
+        return spec_for_config(config).transformers_state_dict
     except UnsupportedArchitecture:
         return None
 

@@ -27,3 +27,17 @@ def test_entries_name_real_modules(arch):
         layer.get_submodule(group.loss_module)
         for name in group.linears:
             assert name in spec.linears
+
+
+def test_architecture_facts_are_typed_fields():
+    """A misspelt fact is an error at registration, not a silently taken default."""
+    from quantkit.models.registry import ArchSpec, spec_for_architecture
+
+    with pytest.raises(TypeError, match="qkv_baias"):
+        ArchSpec("typo", ("TypoForCausalLM",), qkv_baias=True)
+    assert spec_for_architecture("Qwen2ForCausalLM").qkv_bias and not spec_for_architecture("LlamaForCausalLM").qkv_bias
+    assert spec_for_architecture("Qwen3ForCausalLM").qk_norm
+    glm = spec_for_architecture("GlmForCausalLM")
+    assert glm.rope_interleaved and glm.o_proj_bias is False
+    assert spec_for_architecture("LlavaForConditionalGeneration").vision
+    assert "q_proj" in spec_for_architecture("LlamaForCausalLM").no_clip
