@@ -11,7 +11,8 @@ from typing import Any
 import typer
 
 from quantkit.config import WRITABLE_BITS_DOC, UserError, build_config, check_device, load_recipe
-from quantkit.server.cli import DTYPE as ENGINE_DTYPE  # --dtype, shared with `quantkit serve` (typer only)
+from quantkit.engine_flags import (CACHE_FRACTION, DEVICE, DTYPE, KV_BITS, KV_BITS_EACH, KV_ROTATION, KV_SCALES,
+                                   KV_STATS, engine_config)
 
 app = typer.Typer(
     help="Make LLMs small and fast: quantize Hugging Face checkpoints (RTN, int8, AWQ), evaluate and run them.",
@@ -133,20 +134,23 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens; 0 means all."),
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed (same seed, same text)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop at this string (repeatable)."),
-    kv_bits: int = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and head)."),
-    device: str | None = typer.Option(None, "--device", help="cpu or cuda [default: cuda when present]."),
-    dtype: str = ENGINE_DTYPE,
+    kv_bits: int = KV_BITS,
+    kv_scales: str = KV_SCALES,
+    kv_stats: str | None = KV_STATS,
+    kv_rotation: str = KV_ROTATION,
+    device: str | None = DEVICE,
+    dtype: str = DTYPE,
     as_json: bool = typer.Option(False, "--json", help="Print the responses as JSON."),
 ) -> None:
     """Generate text for a batch of prompts on the engine (all prompts batched together)."""
-    from quantkit.engine import EngineConfig, SamplingParams
+    from quantkit.engine import SamplingParams
     from quantkit.engine.pipeline import pipeline
 
-    check_device(device)
+    config = engine_config(kv_bits, kv_scales, kv_stats, kv_rotation, device, dtype)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=stop)
     params.validate()
-    pipe = pipeline(checkpoint, EngineConfig(kv_bits=kv_bits, device=device, dtype=dtype))
+    pipe = pipeline(checkpoint, config)
     responses = pipe(prompts, params, progress=False)
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in responses], ensure_ascii=False, indent=2))
@@ -185,18 +189,7 @@ app.add_typer(eval_app, name="eval")
 DATASETS = typer.Option(["ptb"], "--dataset", help="ptb, wikitext2, pydoc or a .txt/.jsonl path (repeatable); test split.")
 SEQLEN = typer.Option(2048, "--seqlen", help="Tokens per evaluation window.")
 WINDOWS = typer.Option(None, "--windows", help="Evaluate only the first N windows (default: all).")
-KV_BITS = typer.Option([16], "--kv-bits", help="The engine's KV pool (repeatable): 16 stores K and V in the model's "
-                       "dtype; 8 int8 and 4 packed int4 codes with an fp16 scale and uint8 zero per token and head "
-                       "(--kv-scales online), or per layer and head (static); KV4 online keys are centred and rotated first "
-                       "(--kv-rotation).")
-KV_SCALES = typer.Option("online", "--kv-scales", help="online (each token's own range) or static (per-head ranges "
-                         "from quantkit/kv_stats.safetensors: `quantkit kv-calibrate`).")
-KV_ROTATION = typer.Option("auto", "--kv-rotation", help="auto: at --kv-bits 4 with online scales, keys are centred "
-                           "(on the checkpoint's KV statistics, when it has them) and Hadamard-rotated, q with them, "
-                           "before coding (attention unchanged, int4 keys keep their quality); hadamard: at any bits; "
-                           "none: lmdeploy's plain per-token codes.")
 DATA_DIR = typer.Option(None, "--data-dir", help="Directory holding ptb.test.txt etc. (default: $QUANTKIT_DATA_DIR).")
-DEVICE = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
 AS_JSON = typer.Option(False, "--json", help="Print the results as JSON instead of a table.")
 
 
@@ -216,10 +209,9 @@ def eval_ppl(
     dataset: list[str] = DATASETS,
     seqlen: int = SEQLEN,
     windows: int | None = WINDOWS,
-    kv_bits: list[int] = KV_BITS,
+    kv_bits: list[int] = KV_BITS_EACH,
     kv_scales: str = KV_SCALES,
-    kv_stats: str | None = typer.Option(None, "--kv-stats", help="A KV statistics .safetensors file for --kv-scales static "
-                                        "(default: the checkpoint's own)."),
+    kv_stats: str | None = KV_STATS,
     kv_rotation: str = KV_ROTATION,
     data_dir: str | None = DATA_DIR,
     device: str | None = DEVICE,
@@ -229,8 +221,8 @@ def eval_ppl(
     quiet: bool = QUIET,
 ) -> None:
     """Perplexity of each model through the engine (what chat and serve run): whole text tokenized once,
-    non-overlapping windows, mean NLL of every token. With --kv-bits 8/4 the KV16 row is measured too, and the
-    quantized rows get Δ %, mean KL divergence and top-1 agreement against it."""
+    non-overlapping windows, mean NLL of every token. --kv-bits repeats (one row each); with 8/4 the KV16 row is
+    measured too, and the quantized rows get Δ %, mean KL divergence and top-1 agreement against it."""
     from quantkit.eval.compare import KVSettings, evaluate_models
 
     _setup_logging(quiet or as_json)
@@ -246,8 +238,9 @@ def compare(
     dataset: list[str] = DATASETS,
     seqlen: int = SEQLEN,
     windows: int | None = WINDOWS,
-    kv_bits: list[int] = KV_BITS,
+    kv_bits: list[int] = KV_BITS_EACH,
     kv_scales: str = KV_SCALES,
+    kv_stats: str | None = KV_STATS,
     kv_rotation: str = KV_ROTATION,
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the table as Markdown here, and a PNG "
                                        "bar chart of the perplexities beside it (needs matplotlib)."),
@@ -257,12 +250,12 @@ def compare(
     quiet: bool = QUIET,
 ) -> None:
     """Compare checkpoints with their fp model on the engine: size, perplexity, and against the fp model at KV16
-    Δ %, mean KL divergence and top-1 agreement of the next-token distributions."""
+    Δ %, mean KL divergence and top-1 agreement of the next-token distributions; --kv-bits repeats (one row each)."""
     from quantkit.eval.compare import KVSettings, compare as run_compare
 
     _setup_logging(quiet or as_json)
     result = run_compare(fp_model, checkpoints, dataset, seqlen, windows, data_dir, kv_bits,
-                         KVSettings(kv_scales, rotation=kv_rotation), device, output, progress=not (quiet or as_json))
+                         KVSettings(kv_scales, kv_stats, kv_rotation), device, output, progress=not (quiet or as_json))
     _print_result(result, as_json)
     if result.written and not as_json:
         typer.echo("wrote " + " and ".join(result.written))
@@ -333,11 +326,6 @@ def awq(
 
 # --- the engine: `quantkit chat`, `quantkit bench latency|throughput` ---
 
-ENGINE_KV_BITS = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (codes with an fp16 scale "
-                              "and uint8 zero per token and head; KV4 keys centred and rotated first: --kv-rotation).")
-CACHE_FRACTION = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of the GPU memory free after the "
-                              "weights that the KV pool takes.")
-
 # `quantkit serve`, the OpenAI-compatible server: its flags live beside it (quantkit/server/cli.py).
 from quantkit.server.cli import serve as serve_command  # noqa: E402  (typer only; the server loads lazily)
 
@@ -347,7 +335,7 @@ app.command("serve")(serve_command)
 @app.command()
 def chat(
     model: str = typer.Argument(..., help="An HF model directory or a quantkit checkpoint."),
-    kv_bits: int = ENGINE_KV_BITS,
+    kv_bits: int = KV_BITS,
     cache_max_entry_count: float = CACHE_FRACTION,
     system: str | None = typer.Option(None, "--system", help="A system prompt for the conversation."),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Most tokens per answer."),
@@ -357,20 +345,19 @@ def chat(
                                        "when it sets no sampling)."),
     top_k: int | None = typer.Option(None, "--top-k", help="Sample among the k likeliest tokens "
                                      "(default: the model's, else off)."),
-    kv_scales: str = typer.Option("online", "--kv-scales", help="With --kv-bits 8/4: online (each token's own "
-                                  "range) or static (per-head scales from the model's quantkit/kv_stats.safetensors)."),
+    kv_scales: str = KV_SCALES,
+    kv_stats: str | None = KV_STATS,
     kv_rotation: str = KV_ROTATION,
     device: str | None = DEVICE,
-    dtype: str = ENGINE_DTYPE,
+    dtype: str = DTYPE,
 ) -> None:
     """Chat in the terminal: streamed answers, multi-turn history; 'exit' leaves, 'clear' starts over. When
     the history outgrows the context, its oldest exchanges are dropped (the system prompt is kept)."""
-    from quantkit.engine import EngineConfig, SamplingParams
+    from quantkit.engine import SamplingParams
     from quantkit.engine.chat import chat as run_chat
 
-    check_device(device)
-    run_chat(model, EngineConfig(kv_bits=kv_bits, cache_max_entry_count=cache_max_entry_count, device=device,
-                                 dtype=dtype, kv_scales=kv_scales, kv_rotation=kv_rotation),
+    run_chat(model, engine_config(kv_bits, kv_scales, kv_stats, kv_rotation, device, dtype,
+                                  cache_max_entry_count=cache_max_entry_count),
              SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k), system)
 
 
@@ -435,7 +422,7 @@ TINY = typer.Option(False, "--tiny", help="A tiny shape on the CPU (a smoke test
 def bench_latency(
     shape: str = SHAPE,
     weights: str = WEIGHTS,
-    kv_bits: int = ENGINE_KV_BITS,
+    kv_bits: int = KV_BITS,
     prompt_len: int = typer.Option(32, "--input-len", help="Prompt tokens."),
     output_len: int = typer.Option(256, "--output-len", help="New tokens timed after the first."),
     tiny: bool = TINY,
@@ -452,7 +439,7 @@ def bench_latency(
 def bench_throughput(
     shape: str = SHAPE,
     weights: str = WEIGHTS,
-    kv_bits: int = ENGINE_KV_BITS,
+    kv_bits: int = KV_BITS,
     num_prompts: int = typer.Option(512, "--num-prompts", help="Requests, all submitted at once."),
     input_len: int = typer.Option(512, "--input-len", help="Prompt tokens per request."),
     output_len: int = typer.Option(128, "--output-len", help="New tokens per request."),

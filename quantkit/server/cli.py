@@ -6,13 +6,11 @@ import logging
 
 import typer
 
+from quantkit.engine_flags import (CACHE_FRACTION, DEVICE, DTYPE, KV_BITS, KV_ROTATION, KV_SCALES, KV_STATS,
+                                   engine_config)
 from quantkit.server.limits import RequestLimits
 
 LIMITS = RequestLimits()
-# --dtype of every engine command (serve here; chat and generate import it).
-DTYPE = typer.Option("auto", "--dtype", help="Activations and unquantized weights: auto, float16 or bfloat16. "
-                     "auto takes the checkpoint's torch_dtype on CUDA (bfloat16 stays bfloat16, float32 becomes "
-                     "bfloat16, float16 or none is float16; AWQ exports always float16) and float32 on the CPU.")
 
 
 def serve(
@@ -25,13 +23,11 @@ def serve(
     port: int = typer.Option(23333, "--port", "--server-port", help="TCP port (0 picks a free one, printed)."),
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model's name in the API "
                                                  "(`model` field, /v1/models) (default: the directory's name)."),
-    kv_bits: int = typer.Option(16, "--kv-bits", help="KV cache bits: 16 (model dtype), 8 or 4 (per token and "
-                                "head)."),
-    kv_scales: str = typer.Option("online", "--kv-scales", help="With --kv-bits 8/4: online (each token's own "
-                                  "scale and zero per head) or static (the per-head scales of the model's "
-                                  "quantkit/kv_stats.safetensors, from quantkit kv-calibrate or quantkit awq)."),
-    cache_max_entry_count: float = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of the GPU memory "
-                                                "free after the weights that the KV pool takes."),
+    kv_bits: int = KV_BITS,
+    kv_scales: str = KV_SCALES,
+    kv_stats: str | None = KV_STATS,
+    kv_rotation: str = KV_ROTATION,
+    cache_max_entry_count: float = CACHE_FRACTION,
     num_kv_tokens: int | None = typer.Option(None, "--num-kv-tokens", help="KV pool size in tokens, instead of "
                                              "the fraction (the CPU's pool: 8192 when unset)."),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs", "--max-batch-size", help="Most sequences decoded "
@@ -46,7 +42,7 @@ def serve(
                                        "'Authorization: Bearer KEY' on /v1/* (also read from $QUANTKIT_API_KEY)."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer directory to use instead of the "
                                          "model's (or of a random model's byte-level one)."),
-    device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    device: str | None = DEVICE,
     dtype: str = DTYPE,
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA "
                                      "graphs, and steps with prompt tokens from piecewise graphs around attention."),
@@ -102,19 +98,16 @@ def serve(
 ) -> None:
     """OpenAI-compatible HTTP server on the engine: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, and a chat page at /. SIGTERM or Ctrl-C finishes the running requests, then exits."""
-    from quantkit.config import check_device
-    from quantkit.engine.config import EngineConfig
     from quantkit.server.launch import ServeConfig
     from quantkit.server.launch import serve as run_serve
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries' notes: warnings only
     logging.getLogger("quantkit").setLevel(logging.WARNING if quiet else logging.INFO)
-    check_device(device)
-    engine = EngineConfig(kv_bits=kv_bits, kv_scales=kv_scales, cache_max_entry_count=cache_max_entry_count,
-                          num_kv_tokens=num_kv_tokens,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                          graph_max_tokens=graph_max_tokens, enable_prefix_caching=prefix_caching)
+    engine = engine_config(kv_bits, kv_scales, kv_stats, kv_rotation, device, dtype,
+                           cache_max_entry_count=cache_max_entry_count, num_kv_tokens=num_kv_tokens,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           max_model_len=max_model_len, cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens,
+                           enable_prefix_caching=prefix_caching)
     run_serve(ServeConfig(model=model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           max_queue=max_queue, tokenizer=tokenizer, engine=engine, allow_origins=allow_origins,
                           shutdown_timeout=shutdown_timeout, access_log=access_log,
