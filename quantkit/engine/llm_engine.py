@@ -10,14 +10,13 @@ samples one token for each sequence that finished its prompt or decoded, and ret
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence as Seq, Union
+from typing import Any, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -97,11 +96,7 @@ def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
 
 
 class RequestFailed(RuntimeError):
-    """A request ended with finish_reason "error" (raised by `stream` and `astream`); the engine goes on."""
-
-
-class EngineFailed(RuntimeError):
-    """A step failed as a whole (the model's forward, a device fault): every request of `astream` gets it."""
+    """A request ended with finish_reason "error" (raised by `stream`); the engine goes on."""
 
 
 class Engine:
@@ -141,9 +136,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._lock = threading.RLock()          # step() may run in a worker thread (astream)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._loop_task: Optional[asyncio.Task] = None
+        self._lock = threading.RLock()          # a host may step in one thread and abort from another
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -193,9 +186,6 @@ class Engine:
             req = self._requests.pop(str(request_id), None)
             if req is not None:
                 self.scheduler.abort(req.seq.request_id)
-        queue = self._queues.get(str(request_id))
-        if req is not None and queue is not None:
-            queue.put_nowait(self._output(req, [], "", finished=True, reason="abort"))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -350,8 +340,8 @@ class Engine:
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                request_id: Optional[str] = None) -> Iterator[RequestOutput]:
         """Outputs of one request as they come (text deltas). Stepping serves every queued request, but
-        only this one's outputs are yielded: run one stream at a time, or use astream. Closing the
-        iterator early (break, Ctrl-C) aborts the request."""
+        only this one's outputs are yielded: run one stream at a time (a host serving many calls `step`
+        and routes the outputs by request id). Closing the iterator early (break, Ctrl-C) aborts it."""
         rid = self.add_request(prompt, params, request_id)
         finished = False
         try:
@@ -365,47 +355,6 @@ class Engine:
         finally:
             if not finished:
                 self.abort(rid)
-
-    async def astream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                      request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """`stream` for asyncio: any number of concurrent consumers share one stepping task, which runs
-        the steps in a worker thread so the event loop stays free. A request that fails alone raises
-        RequestFailed in its consumer; a step that fails as a whole raises EngineFailed in every one."""
-        rid = self.add_request(prompt, params, request_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, Exception):
-                    raise out
-                finished = out.finished
-                if out.finish_reason == "error":
-                    raise RequestFailed(out.error)
-                yield out
-        finally:
-            self._queues.pop(rid, None)
-            if not finished:
-                self.abort(rid)
-
-    async def _step_loop(self) -> None:
-        while self._queues and self.has_unfinished_requests():
-            try:
-                outputs = await asyncio.to_thread(self.step)
-            except Exception as exc:  # the consumers learn of it instead of waiting forever
-                log.exception("an engine step failed")
-                error = EngineFailed(f"the engine step failed: {type(exc).__name__}: {exc}")
-                for queue in list(self._queues.values()):
-                    queue.put_nowait(error)             # each consumer aborts its request as it leaves
-                return
-            for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            await asyncio.sleep(0)
 
 
 def _progress_bar(total: int, enabled: bool):

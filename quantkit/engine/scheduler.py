@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence as Seq
+from typing import Iterator, Optional
 
 from quantkit.config import UserError
 from quantkit.engine.block_manager import BlockManager
@@ -62,11 +62,6 @@ class Scheduler:
         self.running: list[Sequence] = []   # admission order: the newest is last
         self.num_preemptions = 0
 
-    @property
-    def max_len(self) -> int:
-        """The old name of `max_model_len`, kept for code that reads it."""
-        return self.max_model_len
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -89,7 +84,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """End seq (a stop string found by the detokenizer, an abort, or a stop token / length in
-        `postprocess`) and give its blocks back. A stop string in the text of a step that also reached the
+        `append`) and give its blocks back. A stop string in the text of a step that also reached the
         length limit makes the reason "stop", as the text was cut there."""
         if seq.is_finished:
             if reason == "stop" and seq.finish_reason == "length":
@@ -163,22 +158,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: Seq[int],
-                    logprobs: Optional[list] = None) -> list[Sequence]:
-        """Account one computed step. `token_ids` (and `logprobs`, when given) hold one entry per sequence of
-        `batch.sampled`, in order. Appends each sampled token, finishes sequences on a stop token ("stop"),
-        max_tokens or the length limit ("length"), frees their blocks, and returns the sampled sequences."""
-        sampled = batch.sampled
-        if len(token_ids) != len(sampled):
-            raise ValueError(f"{len(token_ids)} sampled tokens for {len(sampled)} sequences")
-        self.account(batch)
-        for i, (seq, token_id) in enumerate(zip(sampled, token_ids)):
-            self.append(seq, token_id, None if logprobs is None else logprobs[i])
-        return sampled
-
     def account(self, batch: ScheduledBatch) -> None:
-        """The step's tokens are computed: count them and register the blocks they filled. Read
-        `batch.sampled` before this (it is computed from what is not yet counted). Sequences finished
+        """The step's tokens are computed: count them and register the blocks they filled; then `append`
+        each sampled token. Read `batch.sampled` before this (it is computed from what is not yet counted). Sequences finished
         meanwhile (a request failed while its token was sampled) hold no blocks and are skipped."""
         for seq, n in batch:
             if not seq.is_finished:

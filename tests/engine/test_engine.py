@@ -3,8 +3,6 @@ different steps, chunked, preempted for lack of blocks, and reusing cached prefi
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -174,21 +172,6 @@ def test_abort_frees_blocks_and_other_requests_go_on(tiny_models):
             finished = out if out.finished else None
     assert toks == hf_greedy(path, ps[1])
     assert eng.block_manager.num_free_blocks == eng.runner.num_blocks
-
-
-def test_astream_serves_concurrent_requests(tiny_models):
-    path = tiny_models["llama"]
-    eng = engine(path)
-    ps = prompts(6, (7, 15, 3))
-
-    async def collect(p):
-        return [t for out in [o async for o in eng.astream(p, GREEDY)] for t in out.token_ids]
-
-    async def main():
-        return await asyncio.gather(*(collect(p) for p in ps))
-
-    for p, toks in zip(ps, asyncio.run(main())):
-        assert toks == hf_greedy(path, p)
 
 
 def test_stop_string_and_chat_messages(tiny_models):

@@ -1,18 +1,16 @@
 """One request's fault is that request's alone: a request whose sampling or detokenizing raises ends with
 finish_reason "error" and frees its blocks while the others in the same steps get exactly the tokens they
-get alone; a request that cannot be added leaves nothing behind; a failed step reaches every astream
-consumer instead of leaving them waiting."""
+get alone; a request that cannot be added leaves nothing behind. (A step that fails as a whole reaches every
+request the server's step loop holds: tests/server/test_engine_loop.py.)"""
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 import torch
 from quantkit_testing.tiny import poison_sampler
 
 from quantkit.engine import Engine, EngineConfig, SamplingParams, llm_engine
-from quantkit.engine.llm_engine import EngineFailed, RequestFailed
+from quantkit.engine.llm_engine import RequestFailed
 
 POISON_SEED = 13
 
@@ -104,23 +102,3 @@ def test_stream_raises_for_its_failed_request(eng):
     with pytest.raises(RequestFailed, match="bad settings"):
         list(eng.stream(prompts()[0], params(POISON_SEED)))
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-
-
-def test_a_failed_step_reaches_every_astream_consumer(eng):
-    def broken_run(batch):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    eng.runner.run = broken_run
-
-    async def consume(p):
-        async for _ in eng.astream(p, params(1)):
-            pass
-
-    async def main():
-        results = await asyncio.wait_for(asyncio.gather(*(consume(p) for p in prompts()), return_exceptions=True),
-                                         timeout=60)
-        return results
-
-    results = asyncio.run(main())
-    assert all(isinstance(r, EngineFailed) and "illegal memory access" in str(r) for r in results), results
-    assert not eng.has_unfinished_requests()

@@ -57,6 +57,15 @@ class FakeModel:
         return tokens
 
 
+def finish_step(scheduler: Scheduler, batch, token_ids: list[int]) -> None:
+    """What Engine.step does after the forward: count the step's tokens, then append each sampled token."""
+    sampled = batch.sampled
+    assert len(token_ids) == len(sampled)
+    scheduler.account(batch)
+    for seq, token_id in zip(sampled, token_ids):
+        scheduler.append(seq, token_id)
+
+
 class Stats:
     steps = preempted = prefix_hits = chunked = 0
 
@@ -83,7 +92,7 @@ def drive(scheduler: Scheduler, arrivals: dict[int, list[Sequence]], model: Fake
         stats.prefix_hits += sum(1 for s in scheduled if any(s is w for w in waiting) and s.num_computed_tokens > 0)
         stats.chunked += sum(1 for s, n in batch if n < s.num_uncomputed_tokens)
         stats.steps += 1
-        scheduler.postprocess(batch, model.run(batch))
+        finish_step(scheduler, batch, model.run(batch))
     else:
         raise AssertionError("did not finish")
     stats.preempted = scheduler.num_preemptions
@@ -128,7 +137,7 @@ def test_chunked_prefill_respects_the_budget_and_decodes_go_first():
     model = FakeModel(scheduler.block_manager)
     batch = scheduler.schedule()
     assert [(s, n) for s, n in batch] == [(short, 3)]
-    scheduler.postprocess(batch, model.run(batch))
+    finish_step(scheduler, batch, model.run(batch))
     long = Sequence(list(range(30)), SamplingParams(max_tokens=2))
     scheduler.add(long)
     chunks = []
@@ -137,7 +146,7 @@ def test_chunked_prefill_respects_the_budget_and_decodes_go_first():
         assert batch.items[0] == (short, 1)               # the decode first, every step
         chunks.append(batch.items[1][1])
         assert batch.num_tokens <= 8
-        scheduler.postprocess(batch, model.run(batch))
+        finish_step(scheduler, batch, model.run(batch))
     assert chunks == [7, 7, 7, 7, 2]                     # 30 prompt tokens in budget-sized pieces
     assert long.output_token_ids == [next_token(list(range(30)))]
 
@@ -152,7 +161,7 @@ def test_a_repeated_prompt_computes_only_its_uncached_tail():
     scheduler.add(second)
     batch = scheduler.schedule()
     assert batch.items == [(second, 2)] and second.num_computed_tokens == 12
-    scheduler.postprocess(batch, model.run(batch))  # reads the first 12 tokens from first's blocks
+    finish_step(scheduler, batch, model.run(batch))  # reads the first 12 tokens from first's blocks
     assert second.output_token_ids[:1] == first.output_token_ids[:1]
 
 
@@ -164,11 +173,11 @@ def test_abort_frees_blocks_at_once():
     c = Sequence(list(range(60)), SamplingParams(max_tokens=50), request_id="c")  # cannot be admitted yet
     scheduler.add(a)
     batch = scheduler.schedule()
-    scheduler.postprocess(batch, model.run(batch))
+    finish_step(scheduler, batch, model.run(batch))
     scheduler.add(b)
     scheduler.add(c)
     batch = scheduler.schedule()
-    scheduler.postprocess(batch, model.run(batch))
+    finish_step(scheduler, batch, model.run(batch))
     assert scheduler.waiting[0] is c and b.block_table[:2] == a.block_table[:2]
     free = scheduler.block_manager.num_free_blocks
     assert scheduler.abort("a") is a
@@ -193,7 +202,7 @@ def run_counting(seq: Sequence, num_blocks: int = 64, model_len=None, **config) 
     scheduler.add(seq)
     while scheduler.has_unfinished():
         batch = scheduler.schedule()
-        scheduler.postprocess(batch, [len(s) for s in batch.sampled])
+        finish_step(scheduler, batch, [len(s) for s in batch.sampled])
     return scheduler
 
 

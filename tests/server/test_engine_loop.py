@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from quantkit.config import UserError
 from quantkit.engine.llm_engine import RequestOutput, Usage
@@ -127,6 +128,58 @@ def test_abort_reaches_the_engine_and_failures_reach_the_requests():
         await loop.stop()
 
     asyncio.run(run())
+
+
+def test_concurrent_requests_on_the_engine_get_the_greedy_tokens_of_each_alone(tiny_models):
+    from quantkit.engine import Engine, EngineConfig, SamplingParams
+
+    eng = Engine(tiny_models["llama"], EngineConfig(device="cpu", num_kv_tokens=2048))
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (7, 15, 3)]
+    # Engine.generate of one prompt: transformers' greedy tokens (tests/engine/test_engine.py checks it)
+    alone = [eng.generate([p], greedy, progress=False)[0].token_ids for p in prompts]
+
+    async def run():
+        loop = EngineLoop(eng)
+        loop.start()
+        queues = [asyncio.Queue() for _ in prompts]
+        for i, (p, q) in enumerate(zip(prompts, queues)):
+            loop.add(f"r{i}", p, greedy, q.put_nowait)
+        results = await asyncio.gather(*(_collect(q, 60) for q in queues))
+        await loop.stop()
+        return results
+
+    results = asyncio.run(run())
+    assert [[t for out in r for t in out.token_ids] for r in results] == alone
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_a_failed_forward_reaches_every_request_in_flight(tiny_models):
+    from quantkit.engine import Engine, EngineConfig, SamplingParams
+
+    eng = Engine(tiny_models["llama"], EngineConfig(device="cpu", num_kv_tokens=1024))
+
+    def broken_run(batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    eng.runner.run = broken_run
+
+    async def run():
+        loop = EngineLoop(eng)
+        fatal: list[str] = []
+        loop.on_fatal = fatal.append
+        loop.start()
+        queues = [asyncio.Queue() for _ in range(3)]
+        for i, q in enumerate(queues):
+            loop.add(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=8), q.put_nowait)
+        failures = await asyncio.gather(*(asyncio.wait_for(q.get(), 60) for q in queues))
+        await loop.stop()
+        return failures, fatal
+
+    failures, fatal = asyncio.run(run())
+    assert all(isinstance(f, EngineFailure) and "illegal memory access" in f.message for f in failures), failures
+    assert fatal and "illegal memory access" in fatal[0]
 
 
 def test_random_model_with_byte_tokenizer():
