@@ -38,9 +38,9 @@ def build_checkpoint(work: Path, layers: int):
     from quantkit.models.loading import LoadedModel
     from quantkit.models.registry import spec_for_config
     from quantkit.quantize.export import checkpoint_tensors, write_export
-    from quantkit.quantize.rtn import rtn_quantize
     from bench.lib.common import use_test_helpers
     use_test_helpers()
+    from quantkit_testing.in_memory import rtn_quantize
     from quantkit_testing.tiny import make_tokenizer
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
@@ -51,7 +51,7 @@ def build_checkpoint(work: Path, layers: int):
         model = LlamaForCausalLM(cfg).half().eval()
     spec = spec_for_config(cfg)
     wcfg = WeightQuantConfig(4, 128)
-    qweights = rtn_quantize(model, spec, wcfg, progress=False)  # on the GPU: the weights live there
+    qweights = rtn_quantize(model, spec, wcfg)  # on the GPU: the weights live there
     for qw in qweights.values():
         qw.q, qw.zeros, qw.scales = qw.q.cpu(), qw.zeros.cpu(), qw.scales.cpu()
     model.cpu()

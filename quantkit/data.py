@@ -50,10 +50,6 @@ def manifest() -> dict:
     return json.loads(MANIFEST.read_text(encoding="utf-8"))
 
 
-def named_datasets() -> list[str]:
-    return sorted(manifest())
-
-
 def _read_local(path: Path) -> str:
     if path.suffix == ".jsonl":
         texts = []

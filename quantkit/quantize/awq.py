@@ -35,7 +35,6 @@ from quantkit.quantize.calibration import InputStats, call_layer, call_module, c
 from quantkit.quantize.finalize import finalize_block
 from quantkit.quantize.folding import fold_scales, head_tying, identity, output_channels
 from quantkit.quantize.learned import learn_block, learn_progress, start_config
-from quantkit.quantize.primitives import QuantizedWeight
 from quantkit.quantize.rtn import QuantizedBlock, check_group_size, decoder_layers
 from quantkit.quantize.search import candidate_scales, search_scales, weight_magnitude
 
@@ -268,17 +267,3 @@ def awq_blocks(
     if device.type == "cuda":
         info["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
 
-
-def awq_quantize(
-    model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor, report: dict[str, Any],
-    progress: bool = True,
-) -> dict[str, QuantizedWeight]:
-    """`awq_blocks` over an in-memory model, collecting every block's codes on the host.
-
-    Scales are folded into the model in place and each quantized linear holds its dequantized
-    weight afterwards. Returns {full module name: QuantizedWeight}."""
-    out: dict[str, QuantizedWeight] = {}
-    for qb in awq_blocks(model, spec, config, windows, report, progress=progress):
-        out.update({name: QuantizedWeight(qw.q.cpu(), qw.zeros.cpu(), qw.scales.cpu(), qw.bits, qw.group_size)
-                    for name, qw in qb.qweights.items()})
-    return out

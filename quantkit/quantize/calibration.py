@@ -9,7 +9,7 @@ is computed. The last stand-in stops the forward, so the lm_head never runs on t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -202,13 +202,6 @@ class InputStats:
         elif self.gram is not None:
             inv = inv.reshape(self.gram.shape[0], -1)
             self.gram *= inv.unsqueeze(2) * inv.unsqueeze(1)
-
-
-@dataclass
-class Captured:
-    """Inputs of a group's loss module on the search batches: positional args and kwargs per batch."""
-
-    calls: list[tuple[tuple, Kwargs]] = field(default_factory=list)
 
 
 @torch.no_grad()

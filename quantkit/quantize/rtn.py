@@ -60,16 +60,6 @@ def quantize_block_linears(
     return out
 
 
-def rtn_quantize(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig, progress: bool = True) -> dict[str, QuantizedWeight]:
-    """Quantize every block linear of `model` with round-to-nearest."""
-    check_group_size(model, spec, cfg)
-    out: dict[str, QuantizedWeight] = {}
-    layers = decoder_layers(model, spec)
-    for i, layer in enumerate(tqdm(layers, desc=f"RTN W{cfg.bits}", disable=not progress, unit="block")):
-        out.update(quantize_block_linears(layer, spec, f"{spec.layers_path}.{i}", cfg))
-    return out
-
-
 @torch.no_grad()
 def rtn_blocks(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig, device: torch.device,
                dtype: torch.dtype, blocks: Optional[BlockWeights] = None, progress: bool = True) -> Iterator[QuantizedBlock]:

@@ -30,6 +30,7 @@ from quantkit.models.chatglm import (
     to_glm_state_dict,
 )
 from quantkit.models.loading import load_fp_model
+from quantkit_testing.in_memory import awq_quantize
 
 # chatglm3-6b's config.json as published (its keys and values), before scaling down.
 CHATGLM3_6B = {
@@ -590,7 +591,7 @@ def test_awq_folds_keep_the_glm_function(monkeypatch):
                                             "calib.batch_size": 4, "awq.propagate": "fp"})
     report: dict = {}
     windows = torch.randint(3, 300, (8, 32), generator=torch.Generator().manual_seed(0))
-    awq_mod.awq_quantize(model, spec_for_config(model.config), config, windows, report, progress=False)
+    awq_quantize(model, spec_for_config(model.config), config, windows, report, progress=False)
     folded = [(g["prev"], g.get("ratio")) for b in report["awq"]["blocks"] for g in b["groups"] if not g["fallback"]]
     assert any(prev == "mlp.gate_up_proj" and ratio for prev, ratio in folded), report["awq"]["fallbacks"]
     with torch.no_grad():

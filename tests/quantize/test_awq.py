@@ -18,6 +18,7 @@ from quantkit.quantize import awq as awq_mod
 from quantkit.quantize.folding import HeadTying, fold_scales
 from quantkit_testing.export_check import assert_export_is_the_in_memory_model
 from quantkit_testing.tiny import make_tiny_model
+from quantkit_testing.in_memory import awq_quantize
 
 FAST = {"awq.n_grid": 8, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32}
 
@@ -31,7 +32,7 @@ def run_awq(model, **overrides):
 
     report: dict = {}
     config = build_config(method="awq", **{**FAST, **overrides})
-    qweights = awq_mod.awq_quantize(model, spec_for_config(model.config), config, windows(), report, progress=False)
+    qweights = awq_quantize(model, spec_for_config(model.config), config, windows(), report, progress=False)
     return qweights, report["awq"]
 
 
@@ -116,7 +117,7 @@ def test_awq_beats_rtn_on_loud_channels(seed):
                 lin.weight.copy_(quantize_weight(lin.weight, cfg.weight).dequantize())
         rtn_error = float((rtn(ids).logits - want).pow(2).mean())
     report: dict = {}
-    awq_mod.awq_quantize(model, spec, cfg, windows(), report, progress=False)  # leaves the dequantized weights
+    awq_quantize(model, spec, cfg, windows(), report, progress=False)  # leaves the dequantized weights
     with torch.no_grad():
         awq_error = float((model(ids).logits - want).pow(2).mean())
     norm_groups = [g for b in report["awq"]["blocks"] for g in b["groups"] if g["prev"].endswith("layernorm")]

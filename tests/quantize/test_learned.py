@@ -22,6 +22,7 @@ from quantkit.quantize.rounding import gptq_codes
 from quantkit_testing.decoder_check import assert_same_logits
 from quantkit_testing.export_check import assert_export_is_the_in_memory_model
 from quantkit_testing.tiny import make_tiny_model
+from quantkit_testing.in_memory import awq_quantize
 
 FAST = {"awq.n_grid": 8, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32}
 
@@ -49,7 +50,7 @@ def run(model, method: str = "awq", bits: int = 4, **overrides):
     config = build_config(method=method, **{**FAST, **overrides})
     if bits != 4:  # no format stores 3 bits: the pass is in memory here, nothing is written
         object.__setattr__(config, "weight", WeightQuantConfig(bits, config.weight.group_size, config.weight.symmetric))
-    q = awq_mod.awq_quantize(model, spec_for_config(model.config), config, windows(), report, progress=False)
+    q = awq_quantize(model, spec_for_config(model.config), config, windows(), report, progress=False)
     return q, report[method]["blocks"]
 
 

@@ -14,10 +14,9 @@ from quantkit.formats.checkpoint import read_safetensors
 from quantkit.formats.kv_stats import read_kv_stats
 from quantkit.models import lazy
 from quantkit.models.loading import load_fp_model
-from quantkit.quantize.awq import awq_quantize
 from quantkit.quantize.export import checkpoint_tensors
 from quantkit.quantize.kv_stats import collect_kv_stats
-from quantkit.quantize.rtn import rtn_quantize
+from quantkit_testing.in_memory import awq_quantize, rtn_quantize
 
 AWQ_FAST = {"awq.n_grid": 4, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32,
             "calib.samples": 8, "calib.seqlen": 32}
@@ -44,7 +43,7 @@ def test_rtn_stream_writes_the_bits_of_the_whole_model_path(tiny_models, tmp_pat
     config = build_config(method=overrides.pop("method"), format=overrides.pop("format", None), **overrides)
     res = quantkit.quantize(str(tiny_models[arch]), config, work_dir=tmp_path / "q", progress=False)
     fp = load_fp_model(tiny_models[arch])  # the whole fp16 model, as quantize() loaded it before
-    want = checkpoint_tensors(fp.model, rtn_quantize(fp.model, fp.spec, config.weight, progress=False), config)
+    want = checkpoint_tensors(fp.model, rtn_quantize(fp.model, fp.spec, config.weight), config)
     assert_same_tensors(read_safetensors(res.work_dir), want)
 
 

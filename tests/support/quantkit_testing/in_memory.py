@@ -1,0 +1,35 @@
+"""Whole-model quantization in memory, for tests that inspect every linear's codes at once (the package
+itself quantizes block by block and streams each block to the checkpoint)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from quantkit.config import QuantizeConfig, WeightQuantConfig
+from quantkit.models.registry import ArchSpec
+from quantkit.quantize.awq import awq_blocks
+from quantkit.quantize.calibration import decoder_layers
+from quantkit.quantize.primitives import QuantizedWeight
+from quantkit.quantize.rtn import check_group_size, quantize_block_linears
+
+
+def awq_quantize(model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor,
+                 report: dict[str, Any], progress: bool = False) -> dict[str, QuantizedWeight]:
+    """`awq_blocks` over an in-memory model, every block's codes collected on the host. Scales are folded
+    into the model in place and each quantized linear holds its dequantized weight afterwards."""
+    out: dict[str, QuantizedWeight] = {}
+    for qb in awq_blocks(model, spec, config, windows, report, progress=progress):
+        out.update({name: QuantizedWeight(qw.q.cpu(), qw.zeros.cpu(), qw.scales.cpu(), qw.bits, qw.group_size)
+                    for name, qw in qb.qweights.items()})
+    return out
+
+
+def rtn_quantize(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig) -> dict[str, QuantizedWeight]:
+    """Every block linear of `model` with round-to-nearest, from the weights as they are."""
+    check_group_size(model, spec, cfg)
+    out: dict[str, QuantizedWeight] = {}
+    for i, layer in enumerate(decoder_layers(model, spec)):
+        out.update(quantize_block_linears(layer, spec, f"{spec.layers_path}.{i}", cfg))
+    return out
