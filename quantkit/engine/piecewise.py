@@ -3,8 +3,8 @@
 A pure decode step replays one CUDA graph per batch-size bucket (model_runner). A step with prompt
 tokens cannot: its attention takes each sequence's host lengths (how many queries, how long a cached
 prefix), which a graph would freeze. Run eagerly, though, such a step pays one Python call per kernel —
-for a 7B model ≈ 30 ms of host time per step (bench/probes/throughput_profile.py), more than the GPU
-needs for a 512-token prompt — and meets kernels compiled on first sight at every new token count.
+for a 7B model tens of milliseconds of host time per step, more than the GPU needs for a 512-token
+prompt — and meets kernels compiled on first sight at every new token count.
 
 So for token counts up to `max_tokens`, the step is padded to the bucket above it and run as
 layers + 1 graphs captured per bucket at start: the embedding and layer 0's `begin`; then for each
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 # Padded token counts. Between 512 and 2048 every 256: a step pads by less than a quarter above 512 and
 # by at most 255 tokens (the padding is GPU work: ≈ 12 % at 2048).
 BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
-# Up to here by default: above 2048 tokens the GPU's time per step (≥ 45 ms for a 7B model) hides the
-# eager launches (bench/probes/throughput_profile.py, budget 8192: mixed steps waited on the GPU).
+# Up to here by default: above 2048 tokens the GPU's time per step (tens of milliseconds for a 7B model)
+# hides the eager launches.
 MAX_TOKENS = 2048
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]

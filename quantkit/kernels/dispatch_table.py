@@ -1,4 +1,4 @@
-"""The kernel choices for a quantized linear, measured on the H200: the data `dispatch.choose` picks from.
+"""The kernel choices for a quantized linear, measured on a Hopper GPU: the data `dispatch.choose` picks from.
 
 `TABLE` maps a layer's class, "w{bits} {class}", to rows (largest M, choice) sorted by M. The class is
 "block-planar" for that layout, else the layer's width in 16-row tiles per SM (`dispatch.width_class`):
@@ -10,7 +10,7 @@ its M bound, CUDA-graph medians in µs in the comments (bench/KERNELS_NOTES.md h
 down to the previous bound: block-planar rows by `bench/kernel_speed.py --tune` (least time summed over the
 shapes), mma GEMV rows by `bench/lib/kernels_mma.py` (narrow layers want 8 warps splitting K, mid 4,
 wide 2; from M = 32 two row tiles per warp; PDL where it measured 4–20 % faster, used only under
-QUANTKIT_PDL=1), Gluon GEMM rows by `bench/probes/gluon_probe.py`. A Gluon row is followed, at the same bound, by the row that
+QUANTKIT_PDL=1), Gluon GEMM rows by the Gluon probe (bench/KERNELS_NOTES.md). A Gluon row is followed, at the same bound, by the row that
 runs where the GEMM may not (`dispatch.choose` skips Gluon rows then).
 """
 

@@ -11,10 +11,10 @@ the fragment's input order, which the compiler proves free of data movement
 (`convert_layout(assert_trivial=True)`).
 
 That order within a 128-input tile is, high bit to low, c1 c0 h i t1 t0 e (word 4·t + c holds inputs
-32·c + 8·t + o, o = 4·h + 2·i + e), so x must meet it: `permute_x` (one small Triton launch, ≈ 2 µs
+32·c + 8·t + o, o = 4·h + 2·i + e), so x must meet it: `permute_x` (one small Triton launch
 in a CUDA graph) writes x in that order, and the GEMM's x tiles are then plain [BM, 128] boxes. Measured
-alternatives: torch's permute-and-copy cost 5–15 µs per call;
-gathering x pair by pair in the kernel (4-byte cp.async) made the GEMM 17–27 % slower than this.
+alternatives, both slower (bench/KERNELS_NOTES.md): torch's permute-and-copy, and gathering x pair by
+pair in the kernel (4-byte cp.async).
 
 x tiles and word tiles go through a ring of `stages` shared-memory slots filled by the copy engine
 (TMA), `stages − 1` tiles ahead, one mbarrier per slot; the wgmma of step t runs asynchronously while
@@ -24,7 +24,7 @@ fp16 output, optional bias. Layers too narrow to fill the GPU split K over 2–8
 tile, summed by the last of them in the same launch. 4- or 8-bit weights, group sizes that
 are multiples of 128 (or one group per row), fp16 activations; sm_90 only (wgmma, TMA). Measured and
 not kept: K-tiles as two 64-input wgmma groups, and a producer warp issuing the copies
-(`gl.warp_specialize`, bench/probes/gluon_ws.py) — both correct, neither faster.
+(`gl.warp_specialize`) — both correct, neither faster.
 
 8-bit words: thread (g, t) holds words 8·t … 8·t + 7 (word 8·t + 2·c + h holds inputs 32·c + 8·t +
 4·h + byte), one `prmt` and two `fma` per fp16 pair (DEQ8_ASM, the W8 GEMV's arithmetic); its dot
@@ -448,8 +448,8 @@ def _permute_kernel(x_ptr, xp_ptr, K2, KP2, x_stride, xp_stride, BLOCK: tl.const
 
 
 # Launched through KeptKernel (launch.py): after the first call with a signature, the compiled kernel
-# is called directly, skipping the JIT front end's argument binding (≈ 150 µs per eager GEMM call
-# on an H200 host with the Gluon kernel's layout constexprs and descriptors).
+# is called directly, skipping the JIT front end's argument binding (with the Gluon kernel's layout
+# constexprs and descriptors, more host time per eager call than the GEMM itself takes).
 _PERMUTE = KeptKernel(_permute_kernel)
 _GEMM = KeptKernel(gemm_kernel) if gluon is not None else None
 

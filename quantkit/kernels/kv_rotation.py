@@ -12,7 +12,7 @@ keep one or two codes. Two exact transformations of attention take the outliers 
   and q·k = qR·kR when R·Rᵀ = I.
 
 Values are left alone: their per-token int4 codes cost a fraction of what the keys' do (BENCHMARKS.md,
-issue #27's section), and a rotation of V would have to be undone on attention's output.
+"One KV quantizer"), and a rotation of V would have to be undone on attention's output.
 
 The matrices are a Sylvester Hadamard matrix S (entries ±1, S·S = n·I, symmetric) times powers of two
 whose product is 1/n: keys take S·2^-⌊m/2⌋, queries S·2^-⌈m/2⌉ (n = 2^m). Every entry is exact in fp16

@@ -2,8 +2,8 @@
 
 Triton's JIT front end binds and specializes every argument on every call (alignment and divisibility
 by 16 of pointers and integers, integers equal to 1, dtypes, constexpr values) before it finds the
-compiled kernel; on an H200 host that is 20–60 µs per launch, more than many of our kernels
-run (bench/probes/launch_overhead.py). After a first launch through the front end, the compiled kernel can
+compiled kernel: tens of microseconds of host time per launch, more than many of our kernels run
+(bench/KERNELS_NOTES.md). After a first launch through the front end, the compiled kernel can
 be called directly, as the front end itself does, for as long as nothing it specializes on changes.
 Under TRITON_INTERPRET there is no compiled kernel; every call then takes the front end.
 """

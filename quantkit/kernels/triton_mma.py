@@ -418,8 +418,7 @@ class GemvLaunch:
     calls hand the arguments straight to that compiled kernel as long as nothing Triton specializes
     on has changed (16-byte alignment of the output, x's and the output's row strides modulo 16) and
     no launch hooks are set; otherwise they take the front end again. The front end binds and
-    specializes every argument on every call, which is most of an eager call's host time
-    (bench/probes/launch_overhead.py). See `gemv` for the parameters."""
+    specializes every argument on every call, which is most of an eager call's host time. See `gemv` for the parameters."""
 
     def __init__(self, mw: MmaWeights, bias: torch.Tensor | None, m: int, device: torch.device, *,
                  num_warps: int = 4, tiles: int = 1, rows: int = 1, warps_n: int = 1, split_k: int = 1,
