@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from quantkit.kernels import triton_paged_rows as rows
 from quantkit.kernels.launch import KeptKernel
+from quantkit.kernels.triton_paged_common import halves, load_raw, partition_share, pool_row, store_decode
 
 LOG2E = 1.4426950408889634
 MIN_SCALE = 2.0**-14
@@ -49,22 +51,6 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _halves(offs_i, HALF: tl.constexpr, BITS: tl.constexpr):
-    """Channel indices of halves A and B in a head of 2 * HALF channels (see the module docstring)."""
-    if BITS == 4:
-        return 2 * offs_i, 2 * offs_i + 1
-    else:
-        return offs_i, offs_i + HALF
-
-
-@triton.jit
-def _pool_row(block, offset, kv_head, kv_heads, block_size):
-    """Row of a token's codes in the pool, and element of its scale and zero: all are stored
-    [block, kv head, token, ...] (paged_kv.PagedKV)."""
-    return (block * kv_heads + kv_head) * block_size + offset
-
-
-@triton.jit
 def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_ptr, fixed_scale_ptr, fixed_zero_ptr,
                kv_heads, block_size, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                BITS: tl.constexpr, STATIC: tl.constexpr):
@@ -72,12 +58,12 @@ def _write_one(x_ptr, stride_t, stride_h, t, slot, codes_ptr, scale_ptr, zero_pt
     offs_i = tl.arange(0, BLOCK_HALF)
     hmask = offs_h < kv_heads
     mask = hmask[:, None] & (offs_i < HALF)[None, :]
-    ca, cb = _halves(offs_i, HALF, BITS)
+    ca, cb = halves(offs_i, HALF, BITS)
     src = x_ptr + t * stride_t + offs_h[:, None] * stride_h
     xa = tl.load(src + ca[None, :], mask=mask, other=0.0)
     xb = tl.load(src + cb[None, :], mask=mask, other=0.0)
     # the token's row in the pool for every head, and its scale and zero element: [block, head, token, ...]
-    row = _pool_row(slot // block_size, slot % block_size, offs_h, kv_heads, block_size)
+    row = pool_row(slot // block_size, slot % block_size, offs_h, kv_heads, block_size)
     if BITS == 16:
         dst = codes_ptr + row[:, None] * (2 * HALF)
         tl.store(dst + ca[None, :], xa.to(codes_ptr.dtype.element_ty), mask=mask)
@@ -158,17 +144,6 @@ def write_kv(cache, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
 
 
 @triton.jit
-def _load_raw(codes_ptr, row, offs_i, mask, HALF: tl.constexpr, BITS: tl.constexpr):
-    """Halves A and B [BLOCK_N, BLOCK_HALF] of K or V as stored (fp16 values, or int8/int4 codes as uint8)."""
-    if BITS == 4:
-        byte = tl.load(codes_ptr + row[:, None] * HALF + offs_i[None, :], mask=mask, other=0)
-        return byte & 0x0F, byte >> 4
-    else:
-        base = codes_ptr + row[:, None] * (2 * HALF) + offs_i[None, :]
-        return tl.load(base, mask=mask, other=0), tl.load(base + HALF, mask=mask, other=0)
-
-
-@triton.jit
 def _code_offset(out_dtype: tl.constexpr):
     """What `_load_codes` adds to every code: 1024 for fp16, 0 otherwise. Readers add it to the zero point."""
     if out_dtype == tl.float16:
@@ -183,7 +158,7 @@ def _load_codes(codes_ptr, row, offs_i, mask, out_dtype: tl.constexpr, HALF: tl.
     dequantized. For fp16 without a conversion instruction: the bits 0x6400 | c are the fp16 number 1024 + c
     (exact for c < 1024), so an integer OR makes the value and the offset folds into the zero point, where
     the conversion unit (a quarter of the integer rate) would otherwise run once per cached element."""
-    a, b = _load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
+    a, b = load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
     if out_dtype == tl.float16:
         a = (a.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
         b = (b.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -205,10 +180,10 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
     nmask = offs_n < kv_end
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = offs_n % BLOCK_SIZE
-    row = _pool_row(block, off, kvh, kv_heads, BLOCK_SIZE)  # its codes, scale and zero
+    row = pool_row(block, off, kvh, kv_heads, BLOCK_SIZE)  # its codes, scale and zero
     mask = nmask[:, None] & imask[None, :]
     if BITS == 16:
-        k_a, k_b = _load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's
+        k_a, k_b = load_raw(kc_ptr, row, offs_i, mask, HALF, BITS)  # the cache's dtype is q's
         s = tl.dot(q_a, tl.trans(k_a)) + tl.dot(q_b, tl.trans(k_b))
     else:
         # Quantized K, dequantized outside the tile: q·((c − z)·s) = s·(q·c − z·Σq). The codes go into
@@ -227,7 +202,7 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if BITS == 16:
-        v_a, v_b = _load_raw(vc_ptr, row, offs_i, mask, HALF, BITS)
+        v_a, v_b = load_raw(vc_ptr, row, offs_i, mask, HALF, BITS)
         p16 = p.to(dtype)
         acc_a = acc_a * alpha[:, None] + tl.dot(p16, v_a)
         acc_b = acc_b * alpha[:, None] + tl.dot(p16, v_b)
@@ -242,37 +217,6 @@ def attend_tile(acc_a, acc_b, m_i, l_i, q_a, q_b, q_sum, pos, n0, kv_end, bt_row
         acc_a = acc_a * alpha[:, None] + (tl.dot(ps, v_a) - corr)
         acc_b = acc_b * alpha[:, None] + (tl.dot(ps, v_b) - corr)
     return acc_a, acc_b, m_new, l_i
-
-
-@triton.jit
-def partition_share(ctx_ptr, b, part, partitions, BLOCK_N: tl.constexpr):
-    """[start, end) of sequence b's context that partition `part` attends to: whole tiles, spread evenly
-    over the partitions at run time (the grid never depends on the context lengths)."""
-    ctx = tl.load(ctx_ptr + b)
-    tiles_per_part = tl.cdiv(tl.cdiv(ctx, BLOCK_N), partitions)
-    start = part * tiles_per_part * BLOCK_N
-    return start, tl.minimum(start + tiles_per_part * BLOCK_N, ctx)
-
-
-@triton.jit
-def store_decode(acc_a, acc_b, m_i, l_i, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, b, head, part, heads,
-                 partitions, ca, cb, qmask, gmask, HALF: tl.constexpr, SPLIT: tl.constexpr):
-    """A decode program's result for its query heads [BLOCK_G]: normalised into `out` (the query's dtype),
-    or with SPLIT as fp32 partials with their running max and sum, for merge_kernel."""
-    # an empty share (or a padded batch row with no context) leaves l = 0: its output is 0, not NaN
-    inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
-    if SPLIT:
-        at = ((b * heads + head) * partitions + part)
-        dst = part_out_ptr + at[:, None] * (2 * HALF)
-        tl.store(dst + ca[None, :], acc_a * inv, mask=qmask)
-        tl.store(dst + cb[None, :], acc_b * inv, mask=qmask)
-        tl.store(part_m_ptr + at, m_i, mask=gmask)
-        tl.store(part_l_ptr + at, l_i, mask=gmask)
-    else:
-        dst = out_ptr + (b * heads + head[:, None]) * (2 * HALF)
-        dtype = out_ptr.dtype.element_ty
-        tl.store(dst + ca[None, :], (acc_a * inv).to(dtype), mask=qmask)
-        tl.store(dst + cb[None, :], (acc_b * inv).to(dtype), mask=qmask)
 
 
 @triton.jit
@@ -291,7 +235,7 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
     head = kvh * GROUP + offs_g
     offs_i = tl.arange(0, BLOCK_HALF)
     imask = offs_i < HALF
-    ca, cb = _halves(offs_i, HALF, BITS)
+    ca, cb = halves(offs_i, HALF, BITS)
     qmask = gmask[:, None] & imask[None, :]
     q_row = q_ptr + b * stride_qb + head[:, None] * stride_qh
     q_a = tl.load(q_row + ca[None, :], mask=qmask, other=0.0)
@@ -359,18 +303,17 @@ def decode_variant(group: int, bits: int, kernel: str | None = None) -> str:
     head) over int8/int4 codes, "dot" otherwise. On the H200 at Llama-2-7B b32 × 4,096, rows took 450 /
     517 µs for KV8 / KV4 against dot's 561 / 562 and tied on fp16; at Llama-3-8B (GQA 4) it was 3× slower
     than dot and more (BENCHMARKS.md, issue #27's section)."""
-    from quantkit.kernels.triton_paged_rows import MAX_GROUP
-
     if kernel is None:
         kernel = os.environ.get("QUANTKIT_DECODE_KERNEL", "").strip().lower()
         if not kernel:
             kernel = "rows" if group == 1 and bits != 16 else "dot"
-        elif kernel == "rows" and group > MAX_GROUP:
+        elif kernel == "rows" and group > rows.MAX_GROUP:
             kernel = "dot"
     if kernel not in ("dot", "rows"):
         raise ValueError(f"unknown decode kernel {kernel!r}: choose 'dot' or 'rows'")
-    if kernel == "rows" and group > MAX_GROUP:
-        raise ValueError(f"the 'rows' decode kernel takes at most {MAX_GROUP} query heads per kv head, not {group}")
+    if kernel == "rows" and group > rows.MAX_GROUP:
+        raise ValueError(f"the 'rows' decode kernel takes at most {rows.MAX_GROUP} query heads per kv head, "
+                         f"not {group}")
     return kernel
 
 
@@ -388,8 +331,6 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
     group = heads // kv_heads
     kernel = decode_variant(group, cache.bits, kernel)
     if kernel == "rows":
-        from quantkit.kernels import triton_paged_rows as rows
-
         block_n, num_warps = block_n or rows.BLOCK_N, num_warps or rows.NUM_WARPS
     block_n, num_warps = block_n or 64, num_warps or 4
     if q.stride(-1) != 1:

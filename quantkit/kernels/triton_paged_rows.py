@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged import _halves, _load_raw, _pool_row, partition_share, store_decode
+from quantkit.kernels.triton_paged_common import halves, load_raw, partition_share, pool_row, store_decode
 
 # groups up to this size go to this kernel when `paged_decode_attention` is asked for "rows"
 MAX_GROUP = 4
@@ -38,7 +38,7 @@ def _load_values(codes_ptr, scale_ptr, zero_ptr, row, nmask, offs_i, mask, HALF:
                  BITS: tl.constexpr):
     """Halves A and B [BLOCK_N, BLOCK_HALF] of K or V for cache rows `row` in fp32, and the tokens' scales
     [BLOCK_N]: stored values and scale 1 for fp16/bf16 blocks, codes minus zero for int8/int4 blocks."""
-    a, b = _load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
+    a, b = load_raw(codes_ptr, row, offs_i, mask, HALF, BITS)
     if BITS == 16:
         return a.to(tl.float32), b.to(tl.float32), tl.full(nmask.shape, 1.0, tl.float32)
     else:
@@ -60,7 +60,7 @@ def _tile(acc_a, acc_b, m_i, l_i, q_a, q_b, n0, end, bt_row, kc_ptr, vc_ptr, ks_
     nmask = offs_n < end
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     off = offs_n % BLOCK_SIZE
-    row = _pool_row(block, off, kvh, kv_heads, BLOCK_SIZE)  # its codes, scale and zero
+    row = pool_row(block, off, kvh, kv_heads, BLOCK_SIZE)  # its codes, scale and zero
     mask = nmask[:, None] & imask[None, :]
 
     k_a, k_b, k_s = _load_values(kc_ptr, ks_ptr, kz_ptr, row, nmask, offs_i, mask, HALF, BITS)
@@ -109,7 +109,7 @@ def decode_rows_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt
     head = kvh * GROUP + offs_g
     offs_i = tl.arange(0, BLOCK_HALF)
     imask = offs_i < HALF
-    ca, cb = _halves(offs_i, HALF, BITS)
+    ca, cb = halves(offs_i, HALF, BITS)
     qmask = gmask[:, None] & imask[None, :]
     bt_row = bt_ptr + b * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)

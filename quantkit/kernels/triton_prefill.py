@@ -18,7 +18,7 @@ K/V are read as in the decode kernel (kernels/triton_paged.py, whose `attend_til
 two halves A and B of head_dim (the first and second half, or for int4 the even and odd channels),
 and int8/int4 codes enter the dot products as they are, the scale and zero applied once per token:
 q·k = s·(q·c − z·Σq) and p·v = (p·s)·c − Σ(p·s)·z. A token's codes are row
-(block · kv_heads + head) · block_size + offset (`triton_paged._pool_row`) of the [num_blocks, kv_heads, block_size, ·]
+(block · kv_heads + head) · block_size + offset (`triton_paged_common.pool_row`) of the [num_blocks, kv_heads, block_size, ·]
 pool, and its scale and zero the same element of their [num_blocks, kv_heads, block_size] tensors.
 """
 
@@ -30,7 +30,8 @@ import triton.language as tl
 from torch import Tensor
 
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged import LOG2E, _halves, attend_tile, scale_args
+from quantkit.kernels.triton_paged import LOG2E, attend_tile, scale_args
+from quantkit.kernels.triton_paged_common import halves
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def prefill_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr
 
     offs_i = tl.arange(0, BLOCK_HALF)
     imask = offs_i < HALF
-    ca, cb = _halves(offs_i, HALF, BITS)
+    ca, cb = halves(offs_i, HALF, BITS)
     qmask = rmask[:, None] & imask[None, :]
     q_row = q_ptr + (q_begin + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
     q_a = tl.load(q_row + ca[None, :], mask=qmask, other=0.0)
