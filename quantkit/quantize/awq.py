@@ -23,6 +23,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -39,6 +40,7 @@ from quantkit.quantize.rtn import QuantizedBlock, check_group_size, decoder_laye
 from quantkit.quantize.search import candidate_scales, search_scales, weight_magnitude
 
 log = logging.getLogger(__name__)
+
 
 def resolve_device(name: Optional[str]) -> torch.device:
     if name:
@@ -160,6 +162,110 @@ def _empty_stats(layer, spec: ArchSpec, config: QuantizeConfig, device: torch.de
     return out
 
 
+@dataclass
+class _Pass:
+    """One AWQ (or learned-rounding) pass's settings, resolved once, and what it reports."""
+
+    spec: ArchSpec
+    config: QuantizeConfig
+    start: QuantizeConfig       # the codes learning starts from (the config itself without learning)
+    learn: bool
+    search: bool                # scale search (AWQ); off for RTN's learned rounding
+    device: torch.device
+    fwd: Callable[[], Any]
+    phases: _Phases
+    n_search: int               # windows the searches replay
+    info: dict[str, Any]        # report["awq"] (or report["rtn"])
+
+    @classmethod
+    def begin(cls, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor, report: dict[str, Any]) -> "_Pass":
+        awq = config.awq
+        # `rounding="learned"` (learned.py) starts from the codes of `start`; RTN's learned rounding runs
+        # this same pass with the scale and clip searches off.
+        learn = awq.rounding == "learned"
+        device = resolve_device(config.device)
+        n_search = min(windows.shape[0], max(1, math.ceil(awq.search_tokens / windows.shape[1])))
+        info: dict[str, Any] = {
+            "device": str(device), "activations": str(activation_dtype(device)).replace("torch.", ""),
+            "cpu_bf16_matmul": device.type == "cpu" and awq.cpu_bf16,
+            "propagate": awq.propagate,
+            "propagate_why": ("outputs of the quantized block: later blocks see, and correct for, the error of earlier ones"
+                              if awq.propagate == "quantized" else "outputs of the fp block, as the reference tools"),
+            "rounding": awq.rounding, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
+            "blocks": [], "fallbacks": [],
+        }
+        report[config.method] = info
+        return cls(spec, config, start_config(config) if learn else config, learn, config.method == "awq", device,
+                   _compute(device, awq.cpu_bf16), _Phases(device), n_search, info)
+
+    def quantize_block(self, model_config, layer, index: int, inputs, bar) -> tuple[dict, dict, Any, Any]:
+        """Statistics, scale searches, clip + codes and (when learning) learned rounding for one block on
+        the device. Returns (codes, the block's report entry, the fp outputs if still needed, the
+        quantized block's outputs if learning computed them)."""
+        spec, awq, phases, prefix = self.spec, self.config.awq, self.phases, f"{self.spec.layers_path}.{index}"
+        stats = _empty_stats(layer, spec, self.start, self.device)
+        loss_modules = [g.loss_module for g in spec.groups] if self.search else []
+        with phases("forward"):
+            fp_out, captured = gather_block(layer, inputs, index, stats, loss_modules, self.n_search, self.fwd,
+                                            keep_outputs=awq.propagate == "fp" or self.learn)
+        block: dict[str, Any] = {"index": index, "groups": []}
+        with phases("search"):
+            for gi, group in enumerate(spec.groups if self.search else ()):
+                entry = _search_group(layer, group, stats[tuple(group.linears)], captured[gi], model_config,
+                                      self.config, self.fwd, awq.gqa_scaling)
+                block["groups"].append(entry)
+                if entry["fallback"]:
+                    self.info["fallbacks"].append(f"{prefix}: {group.prev} → {','.join(group.linears)}: {entry['fallback']}")
+        del captured
+        rounded: Optional[dict[str, torch.Tensor]] = {} if self.learn else None  # what the start codes round
+        with phases("clip+quantize"):
+            q, block["linears"] = finalize_block(layer, prefix, stats, self.start, lambda name: _clipped(spec, name),
+                                                 rounded)
+        del stats
+        outputs = None  # the block's outputs on its inputs, when learning computed them for the codes kept
+        if self.learn:
+            with phases("learn"):
+                q, block["learned"], outputs = learn_block(
+                    layer, prefix, rounded, q, list(inputs.batches(index)), fp_out, self.config.learn,
+                    self.fwd, seed=self.config.learn.seed + index, on_step=learn_progress(bar),
+                    keep_outputs=awq.propagate == "quantized")
+            del rounded
+            if awq.propagate != "fp":
+                fp_out = None  # the targets; only the fp propagation needs them further
+        return q, block, fp_out, outputs
+
+    def propagate(self, layer, index: int, inputs, fp_out, outputs) -> None:
+        """The next block's inputs: this block's outputs, quantized (computed now unless learning has them)
+        or fp."""
+        if outputs is not None:
+            inputs.hidden = outputs
+        elif self.config.awq.propagate == "quantized":
+            with self.phases("forward"), torch.no_grad():
+                # Each batch's input is replaced by its output as soon as it is computed: one copy lives.
+                for j, (hidden, kwargs) in enumerate(inputs.batches(index)):
+                    with self.fwd():
+                        inputs.hidden[j] = call_layer(layer, hidden, kwargs)
+        else:
+            inputs.hidden = fp_out
+
+    def record(self, block: dict[str, Any], bar) -> None:
+        """The block's search losses into the report, the log and the progress bar."""
+        index = block["index"]
+        searched = [g for g in block["groups"] if "loss" in g]
+        before = sum(g["loss_rtn"] for g in searched)
+        after = sum(g["loss"] for g in searched)
+        block["loss_rtn"], block["loss"] = before, after
+        self.info["blocks"].append(block)
+        log.info("block %d: search loss %.4g → %.4g (%s)", index, before, after,
+                 ", ".join(f"{g['prev']}:{'RTN' if g['fallback'] else format(g['ratio'], '.2f')}" for g in block["groups"]))
+        bar.set_postfix(loss=f"{before:.3g}→{after:.3g}")
+        if self.learn:
+            e = block["learned"]
+            log.info("block %d: output error %.4g → %.4g learned (%s kept)", index, e["loss_start"], e["loss_learned"],
+                     e["kept"])
+        self.info["phases_s"] = {k: round(v, 3) for k, v in self.phases.seconds.items()}
+
+
 def awq_blocks(
     model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor, report: dict[str, Any],
     blocks: Optional[BlockWeights] = None, progress: bool = True,
@@ -174,96 +280,27 @@ def awq_blocks(
     """
     check_group_size(model, spec, config.weight)
     blocks = blocks or BlockWeights()
-    awq = config.awq
-    # `rounding="learned"` (learned.py) starts from the codes of `start`; RTN's learned rounding runs
-    # this same pass with the scale and clip searches off.
-    learn, search = awq.rounding == "learned", config.method == "awq"
-    start = start_config(config) if learn else config
-    device = resolve_device(config.device)
-    act_dtype = activation_dtype(device)
-    fwd = _compute(device, awq.cpu_bf16)
-    phases = _Phases(device)
-    batch = config.calib.batch_size
-    seqlen = windows.shape[1]
-    n_search = min(windows.shape[0], max(1, math.ceil(awq.search_tokens / seqlen)))
-    info: dict[str, Any] = {
-        "device": str(device), "activations": str(act_dtype).replace("torch.", ""),
-        "cpu_bf16_matmul": device.type == "cpu" and awq.cpu_bf16,
-        "propagate": awq.propagate,
-        "propagate_why": ("outputs of the quantized block: later blocks see, and correct for, the error of earlier ones"
-                          if awq.propagate == "quantized" else "outputs of the fp block, as the reference tools"),
-        "rounding": awq.rounding, "search_windows": n_search, "calibration_tokens": int(windows.numel()),
-        "blocks": [], "fallbacks": [],
-    }
-    report[config.method] = info
+    run = _Pass.begin(spec, config, windows, report)
+    device = run.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with phases("capture"):
-        inputs = capture_inputs(model, spec, windows, batch, device, act_dtype)
-    layers = decoder_layers(model, spec)
-    bar = tqdm(layers, desc=f"{config.method.upper()} W{config.weight.bits}", disable=not progress, unit="block")
+    with run.phases("capture"):
+        inputs = capture_inputs(model, spec, windows, config.calib.batch_size, device, activation_dtype(device))
+    bar = tqdm(decoder_layers(model, spec), desc=f"{config.method.upper()} W{config.weight.bits}",
+               disable=not progress, unit="block")
     for index, layer in enumerate(bar):
-        prefix = f"{spec.layers_path}.{index}"
-        with phases("load"):
+        with run.phases("load"):
             blocks.load(index, layer)
         store_dtype = next(layer.parameters()).dtype
-        with phases("transfer"):
-            layer.to(device=device, dtype=act_dtype)
-        stats = _empty_stats(layer, spec, start, device)
-        loss_modules = [g.loss_module for g in spec.groups] if search else []
-        with phases("forward"):
-            fp_out, captured = gather_block(layer, inputs, index, stats, loss_modules,
-                                            n_search, fwd, keep_outputs=awq.propagate == "fp" or learn)
-        block: dict[str, Any] = {"index": index, "groups": []}
-        with phases("search"):
-            for gi, group in enumerate(spec.groups if search else ()):
-                entry = _search_group(layer, group, stats[tuple(group.linears)], captured[gi], model.config,
-                                      config, fwd, awq.gqa_scaling)
-                block["groups"].append(entry)
-                if entry["fallback"]:
-                    info["fallbacks"].append(f"{prefix}: {group.prev} → {','.join(group.linears)}: {entry['fallback']}")
-        del captured
-        rounded: Optional[dict[str, torch.Tensor]] = {} if learn else None  # what the start codes round
-        with phases("clip+quantize"):
-            q, block["linears"] = finalize_block(layer, prefix, stats, start, lambda name: _clipped(spec, name), rounded)
-        del stats
-        outputs = None  # the block's outputs on its inputs, when learning computed them for the codes kept
-        if learn:
-            with phases("learn"):
-                q, block["learned"], outputs = learn_block(
-                    layer, prefix, rounded, q, list(inputs.batches(index)), fp_out, config.learn,
-                    fwd, seed=config.learn.seed + index, on_step=learn_progress(bar),
-                    keep_outputs=awq.propagate == "quantized")
-            del rounded
-            if awq.propagate != "fp":
-                fp_out = None  # the targets; only the fp propagation needs them further
-        yield QuantizedBlock(index, prefix, layer, q)
+        with run.phases("transfer"):
+            layer.to(device=device, dtype=activation_dtype(device))
+        q, block, fp_out, outputs = run.quantize_block(model.config, layer, index, inputs, bar)
+        yield QuantizedBlock(index, f"{spec.layers_path}.{index}", layer, q)
         del q
-        if outputs is not None:
-            inputs.hidden, outputs = outputs, None
-        elif awq.propagate == "quantized":
-            with phases("forward"), torch.no_grad():
-                # Each batch's input is replaced by its output as soon as it is computed: one copy lives.
-                for j, (hidden, kwargs) in enumerate(inputs.batches(index)):
-                    with fwd():
-                        inputs.hidden[j] = call_layer(layer, hidden, kwargs)
-        else:
-            inputs.hidden = fp_out
-        with phases("transfer"):
+        run.propagate(layer, index, inputs, fp_out, outputs)
+        del fp_out, outputs
+        with run.phases("transfer"):
             blocks.release(index, layer, store_dtype)
-        searched = [g for g in block["groups"] if "loss" in g]
-        before = sum(g["loss_rtn"] for g in searched)
-        after = sum(g["loss"] for g in searched)
-        block["loss_rtn"], block["loss"] = before, after
-        info["blocks"].append(block)
-        log.info("block %d: search loss %.4g → %.4g (%s)", index, before, after,
-                 ", ".join(f"{g['prev']}:{'RTN' if g['fallback'] else format(g['ratio'], '.2f')}" for g in block["groups"]))
-        bar.set_postfix(loss=f"{before:.3g}→{after:.3g}")
-        if learn:
-            e = block["learned"]
-            log.info("block %d: output error %.4g → %.4g learned (%s kept)", index, e["loss_start"], e["loss_learned"],
-                     e["kept"])
-        info["phases_s"] = {k: round(v, 3) for k, v in phases.seconds.items()}
+        run.record(block, bar)
     if device.type == "cuda":
-        info["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
-
+        run.info["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
