@@ -51,13 +51,20 @@ def _setup_logging(quiet: bool) -> None:
     logging.getLogger("quantkit").setLevel(logging.WARNING if quiet else logging.INFO)
 
 
+def _calib(dataset: str | None, samples: int | None, seqlen: int | None, seed: int | None, data_dir: str | None,
+           batch_size: int | None) -> dict[str, Any]:
+    """The --calib-* flags as `CalibConfig` fields (None: the recipe's value, else the default)."""
+    return dict(dataset=dataset, samples=samples, seqlen=seqlen, seed=seed, data_dir=data_dir, batch_size=batch_size)
+
+
 def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Path | None, quiet: bool,
-                  calib: str | None = None, **overrides: Any) -> None:
+                  **overrides: Any) -> None:
+    """`quantize` with the recipe's settings under the flags' (`build_config`'s overrides)."""
     from quantkit.quantize.api import quantize
 
     _setup_logging(quiet)
     config = build_config(load_recipe(recipe) if recipe else None, **overrides)
-    result = quantize(model, config, calib=calib, work_dir=work_dir, overwrite=overwrite, progress=not quiet)
+    result = quantize(model, config, work_dir=work_dir, overwrite=overwrite, progress=not quiet)
     r = result.report
     typer.echo(f"wrote {result.work_dir} ({r['method']}, {r['format']}, {r['wall_time_s']:.1f}s)")
 
@@ -92,11 +99,10 @@ def rtn(
     is learned."""
     if rounding not in (None, "nearest", "learned"):
         raise UserError(f"rtn --rounding {rounding} is not supported: choose nearest or learned.")
-    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="rtn", format=fmt, device=device, **{
-        "weight.bits": w_bits, "weight.group_size": group_size, "weight.symmetric": symmetric,
-        "awq.rounding": rounding, "learn.steps": learn_steps, "learn.lr": learn_lr, "calib.dataset": calib_dataset,
-        "calib.samples": calib_samples, "calib.seqlen": calib_seqlen, "calib.seed": seed, "calib.data_dir": data_dir,
-        "calib.batch_size": batch_size})
+    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="rtn", format=fmt, device=device,
+                  weight=dict(bits=w_bits, group_size=group_size, symmetric=symmetric), awq=dict(rounding=rounding),
+                  learn=dict(steps=learn_steps, lr=learn_lr),
+                  calib=_calib(calib_dataset, calib_samples, calib_seqlen, seed, data_dir, batch_size))
 
 
 @app.command()
@@ -110,17 +116,8 @@ def int8(
     quiet: bool = QUIET,
 ) -> None:
     """Int8 weight-only quantization, one scale per output channel, written as compressed-tensors."""
-    base = load_recipe(recipe) if recipe else {}
-    base.setdefault("weight", {})
-    base["weight"].setdefault("bits", 8)
-    base["weight"].setdefault("group_size", -1)
-    base["weight"].setdefault("symmetric", True)
-    _setup_logging(quiet)
-    from quantkit.quantize.api import quantize
-
-    config = build_config(base, method="int8", format="compressed-tensors", **{"weight.symmetric": symmetric})
-    result = quantize(model, config, work_dir=work_dir, overwrite=overwrite, progress=not quiet)
-    typer.echo(f"wrote {result.work_dir} (int8, compressed-tensors, {result.report['wall_time_s']:.1f}s)")
+    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="int8", format="compressed-tensors",
+                  weight=dict(symmetric=symmetric))
 
 
 @app.command()
@@ -316,12 +313,11 @@ def awq(
     quiet: bool = QUIET,
 ) -> None:
     """Activation-aware W4A16 (AWQ): scale and clip search on calibration text, block by block."""
-    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="awq", format=fmt, device=device, **{
-        "weight.bits": w_bits, "weight.group_size": group_size, "calib.dataset": calib_dataset,
-        "calib.samples": calib_samples, "calib.seqlen": calib_seqlen, "calib.seed": seed, "calib.data_dir": data_dir,
-        "calib.batch_size": batch_size, "awq.n_grid": n_grid, "awq.duo_scaling": duo_scaling,
-        "awq.max_shrink": max_shrink, "awq.clip": False if no_clip else None, "awq.rounding": rounding,
-        "learn.steps": learn_steps, "learn.lr": learn_lr})
+    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="awq", format=fmt, device=device,
+                  weight=dict(bits=w_bits, group_size=group_size), learn=dict(steps=learn_steps, lr=learn_lr),
+                  awq=dict(n_grid=n_grid, duo_scaling=duo_scaling, max_shrink=max_shrink,
+                           clip=False if no_clip else None, rounding=rounding),
+                  calib=_calib(calib_dataset, calib_samples, calib_seqlen, seed, data_dir, batch_size))
 
 
 # --- the engine: `quantkit chat`, `quantkit bench latency|throughput` ---

@@ -19,6 +19,8 @@ GROUP_SIZES_DOC = "32, 64, 128 or -1 (one group per output channel)"
 WRITABLE_BITS_DOC = "4 (awq or compressed-tensors) or 8 (compressed-tensors)"
 ROUNDINGS = ("nearest", "gptq", "learned")
 MAX_LEARN_STEPS = 10000
+# KV cache bits: 16 keeps K and V in the model's dtype, 8 and 4 store integer codes (kernels/paged_kv.py).
+KV_BITS = (16, 8, 4)
 
 
 class UserError(ValueError):
@@ -43,11 +45,8 @@ class WeightQuantConfig:
         if self.group_size != -1 and self.group_size < 8:
             raise ConfigError(f"--group-size {self.group_size} is not supported: use {GROUP_SIZES_DOC}.")
 
-    def groups_for(self, in_features: int) -> int:
-        """How many groups an input dimension of `in_features` splits into."""
-        return 1 if self.group_size == -1 else in_features // self.group_size
-
     def effective_group_size(self, in_features: int) -> int:
+        """Inputs per group for a layer of `in_features` inputs (group size -1: all of them)."""
         return in_features if self.group_size == -1 else self.group_size
 
 
@@ -173,6 +172,12 @@ class QuantizeConfig:
         return dataclasses.asdict(self)
 
 
+def check_kv_bits(bits: int) -> None:
+    """Refuse a KV cache width the pool cannot store."""
+    if bits not in KV_BITS:
+        raise ConfigError(f"--kv-bits {bits} is not supported: choose 16 (the model's dtype), 8 or 4.")
+
+
 def check_device(name: Optional[str]) -> None:
     """Refuse a device this machine does not have (`--device cuda` without CUDA), before any work.
     None means the default (CUDA when present, else the CPU), which is always there."""
@@ -195,6 +200,9 @@ def check_device(name: Optional[str]) -> None:
         raise ConfigError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}.")
 
 
+# What a method implies unless the recipe or a flag says otherwise: int8 is weight-only W8 with one symmetric
+# scale per output channel (what vLLM's W8A16 kernels take).
+METHOD_DEFAULTS = {"int8": {"weight": {"bits": 8, "group_size": -1, "symmetric": True}}}
 _NESTED = {"weight": WeightQuantConfig, "calib": CalibConfig, "awq": AWQConfig, "learn": LearnConfig}
 
 
@@ -215,16 +223,20 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(recipe: Optional[dict[str, Any]] = None, **overrides: Any) -> QuantizeConfig:
-    """Merge a recipe with overrides (dotted keys such as ``weight.bits``; None means 'not set')."""
+    """Merge a recipe with overrides; None means 'not set'. A section's overrides come as a mapping of its
+    fields (``weight={"bits": 4}``) or as dotted keys (``weight.bits``). The method's own defaults
+    (`METHOD_DEFAULTS`) lie beneath both."""
     merged: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in (recipe or {}).items()}
     for key, value in overrides.items():
-        if value is None:
-            continue
         if "." in key:
-            outer, inner = key.split(".", 1)
-            merged.setdefault(outer, {})[inner] = value
-        else:
+            key, inner = key.split(".", 1)
+            value = {inner: value}
+        if isinstance(value, dict):
+            merged[key] = {**(merged.get(key) or {}), **{k: v for k, v in value.items() if v is not None}}
+        elif value is not None:
             merged[key] = value
+    for section, defaults in METHOD_DEFAULTS.get(merged.get("method"), {}).items():
+        merged[section] = {**defaults, **(merged.get(section) or {})}
     known = {f.name for f in dataclasses.fields(QuantizeConfig)}
     unknown = set(merged) - known
     if unknown:

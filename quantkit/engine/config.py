@@ -6,9 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from quantkit.config import ConfigError
+from quantkit.config import ConfigError, check_kv_bits
 
-KV_BITS = (16, 8, 4)
 KV_ROTATIONS = ("auto", "hadamard", "none")  # --kv-rotation; kernels/kv_rotation.py resolves auto per pool
 DTYPES = ("auto", "float16", "bfloat16")  # --dtype; auto is resolved per checkpoint (engine/model.py resolve_dtype)
 
@@ -51,8 +50,7 @@ class EngineConfig:
     kv_rotation: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_bits not in KV_BITS:
-            raise ConfigError(f"--kv-bits {self.kv_bits} is not supported: choose 16, 8 or 4.")
+        check_kv_bits(self.kv_bits)
         if self.block_size < 1:
             raise ConfigError(f"block_size {self.block_size} must be ≥ 1 (16 is usual).")
         if not 0 < self.cache_max_entry_count <= 1:
@@ -70,13 +68,19 @@ class EngineConfig:
             raise ConfigError(f"--kv-scales {self.kv_scales!r} is not supported: choose online or static.")
         if self.kv_rotation not in KV_ROTATIONS:
             raise ConfigError(f"--kv-rotation {self.kv_rotation!r} is not supported: choose auto, hadamard or none.")
-        if self.kv_rotation == "hadamard" and self.kv_scales == "static" and self.kv_bits != 16:
+        if self.kv_rotation == "hadamard" and self.static_kv_scales:
             raise ConfigError("--kv-rotation hadamard rotates K and V, but static KV scales are calibrated on them "
                               "unrotated: use --kv-scales online with it, or --kv-rotation none.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len {self.max_model_len} must be ≥ 2 tokens (or unset).")
         if not _is_dtype(self.dtype):
             raise ConfigError(f"--dtype {self.dtype!r} is not supported: choose auto, float16 or bfloat16.")
+
+    @property
+    def static_kv_scales(self) -> bool:
+        """Whether the pool codes K and V with calibrated per-head scales (`kv_stats`): --kv-scales static on
+        a quantized pool; a 16-bit pool has nothing to scale and ignores the setting."""
+        return self.kv_scales == "static" and self.kv_bits != 16
 
 
 def _is_dtype(value: Any) -> bool:

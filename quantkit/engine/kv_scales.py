@@ -55,7 +55,7 @@ def layer_scales(stats: KVStats, bits: int, num_layers: int, kv_heads: int,
 def pool_static_scales(config, num_layers: int, kv_heads: int, head_dim: int) -> Optional[list]:
     """What the model runner gives each layer's pool: None for online scales or an unquantized pool,
     else `layer_scales` of the statistics file `config.kv_stats`."""
-    if getattr(config, "kv_scales", "online") != "static" or config.kv_bits == 16:
+    if not config.static_kv_scales:
         return None
     if config.kv_stats is None:
         raise KVStatsError("--kv-scales static needs KV statistics: pass EngineConfig(kv_stats=FILE) or "

@@ -35,15 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quantkit.config import UserError
+from quantkit.config import UserError, check_kv_bits
 from quantkit.kernels.hardware import runs_triton
 from quantkit.kernels.kv_rotation import KVRotation, pool_rotation
 
 # (query_start, context_lens) of a prefill step as host lists: what its per-sequence loops read
 HostLens = tuple[list[int], list[int]]
 
-BITS = (16, 8, 4)
-QMAX = {8: 255, 4: 15}
+QMAX = {8: 255, 4: 15}  # the largest code of each integer width
 # The smallest normal fp16 number: smaller scales would lose relative precision as subnormals.
 MIN_SCALE = 2.0**-14
 
@@ -131,8 +130,8 @@ class PagedKV:
 
 
 def check_bits(bits: int, head_dim: int) -> None:
-    if bits not in BITS:
-        raise UserError(f"kv_bits {bits} is not supported: choose 16 (the model's dtype), 8 or 4.")
+    """Refuse a width the pool cannot store, and int4 codes of an odd head_dim (two channels per byte)."""
+    check_kv_bits(bits)
     if bits == 4 and head_dim % 2:
         raise UserError(f"kv_bits 4 packs two channels per byte, but head_dim is {head_dim} (odd): use kv_bits 8.")
 

@@ -36,7 +36,6 @@ from quantkit.kernels.triton_paged_common import halves, load_raw, partition_sha
 
 LOG2E = 1.4426950408889634
 MIN_SCALE = 2.0**-14
-QMAX = {8: 255, 4: 15}
 MAX_PARTITIONS = 64
 
 

@@ -33,3 +33,23 @@ def test_engine_config_takes_the_dtypes_it_can_run(dtype):
 def test_engine_config_refuses_another_dtype_in_one_line(dtype):
     with pytest.raises(ConfigError, match=r"^--dtype .* is not supported: choose auto, float16 or bfloat16\.$"):
         EngineConfig(dtype=dtype)
+
+
+@pytest.mark.parametrize("bits", [3, 32, 0])
+def test_kv_bits_outside_16_8_4_are_refused_by_the_config_and_the_pool(bits):
+    """One check of the KV widths: the engine's config and a pool allocated directly say the same."""
+    from quantkit.kernels.paged_kv import PagedKV
+
+    with pytest.raises(ConfigError, match=rf"^--kv-bits {bits} is not supported: choose 16"):
+        EngineConfig(kv_bits=bits)
+    with pytest.raises(ConfigError, match=rf"^--kv-bits {bits} is not supported: choose 16"):
+        PagedKV.allocate(1, 16, 1, 64, bits, torch.float16, "cpu")
+
+
+def test_static_scales_apply_to_a_quantized_pool_only():
+    assert EngineConfig(kv_bits=8, kv_scales="static").static_kv_scales
+    assert not EngineConfig(kv_bits=16, kv_scales="static").static_kv_scales
+    assert not EngineConfig(kv_bits=4).static_kv_scales
+    EngineConfig(kv_bits=16, kv_scales="static", kv_rotation="hadamard")  # nothing static to conflict with
+    with pytest.raises(ConfigError, match="--kv-rotation hadamard"):
+        EngineConfig(kv_bits=4, kv_scales="static", kv_rotation="hadamard")

@@ -48,7 +48,7 @@ def test_capacity_ratios_at_head_dim_128():
 
 
 def test_bad_bits_are_user_errors():
-    with pytest.raises(UserError, match="kv_bits 3"):
+    with pytest.raises(UserError, match="--kv-bits 3"):
         PagedKV.allocate(1, BLOCK, 1, 64, 3, torch.float16, "cpu")
     with pytest.raises(UserError, match="odd"):
         PagedKV.bytes_per_token(1, 63, 4, torch.float16)
