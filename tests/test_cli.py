@@ -261,3 +261,13 @@ def test_dtype_flag_reaches_the_engine_config(command, tmp_path, monkeypatch, ca
     code, _, err = run_cli([*argv, "--dtype", "float64"], monkeypatch, capsys)
     assert_one_line_error(code, err, "--dtype 'float64'", "auto, float16 or bfloat16")
     assert not seen
+
+
+def test_int8_writes_w8_per_channel_compressed_tensors(tiny_models, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "w8"
+    code, stdout, err = run_cli(["int8", str(tiny_models["llama"]), "--work-dir", str(out), "-q"], monkeypatch, capsys)
+    assert code in (0, None), err
+    assert "(int8, compressed-tensors," in stdout
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["num_bits"] == 8 and group["weights"]["strategy"] == "channel"
+    assert group["weights"]["symmetric"] is True
