@@ -22,10 +22,11 @@ from quantkit.config import (
     load_recipe,
 )
 
-__version__ = "0.1.0"
+from quantkit.version import __version__
 
-# The subpackage quantkit.quantize shares its name with the function below: import it first so
-# that the function, defined afterwards, is what `quantkit.quantize` names.
+# The subpackage quantkit.quantize (an empty __init__, nothing imported back) shares its name with the
+# function below: loaded first, it is not set on this package again when its modules load later, so
+# `quantkit.quantize` stays the function.
 import quantkit.quantize as _quantize_pkg  # noqa: E402,F401
 
 __all__ = [

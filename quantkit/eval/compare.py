@@ -1,7 +1,7 @@
 """Perplexity of several models and KV-cache settings by one protocol, through the engine (the decoder
 and paged KV pool `serve` runs; transformers' own model with `reference`), and how far each row is from
 a reference row, per dataset: Δ % of perplexity, the mean KL divergence of its next-token distributions
-and top-1 agreement (eval/divergence.py). Rendering lives in eval/report.py.
+and top-1 agreement (eval/divergence.py). The rows and their rendering live in eval/report.py.
 
 `compare`: the reference is the fp model with an unquantized pool (KV16); every model is loaded at
 once, and each window is run by every row in turn, so only the reference's logits of one window are
@@ -14,10 +14,10 @@ from __future__ import annotations
 import gc
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -28,42 +28,9 @@ from quantkit.engine.config import EngineConfig
 from quantkit.eval.divergence import Divergence
 from quantkit.eval.loading import EvalModel, load_engine_model, load_reference_model
 from quantkit.eval.perplexity import reference_logits, window_nll
+from quantkit.eval.report import Comparison, ModelRow, write_report
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelRow:
-    """One model under one KV-cache setting; the last three fields are against the reference row."""
-
-    name: str
-    path: str
-    method: str
-    bits: int
-    group_size: Optional[int]
-    kv: str
-    size_bytes: int
-    size_note: str = ""
-    ppl: dict[str, float] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
-    delta_pct: dict[str, float] = field(default_factory=dict)
-    kl: dict[str, float] = field(default_factory=dict)  # mean KL(reference ‖ row), nats per token
-    top1: dict[str, float] = field(default_factory=dict)  # share of tokens whose argmax is the reference's
-
-
-@dataclass
-class Comparison:
-    """Rows in the order evaluated; `reference` says what the Δ %, KL and top-1 columns are against."""
-
-    rows: list[ModelRow]
-    datasets: list[str]
-    seqlen: int
-    windows: Optional[int]
-    reference: Optional[str] = None
-    written: list[str] = field(default_factory=list)  # report files (compare's `output`): .md, and .png if drawn
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -215,7 +182,5 @@ def compare(fp_model: str | Path, checkpoints: Sequence[str | Path], datasets: S
     del fp, settings
     gc.collect()
     if output is not None:
-        from quantkit.eval.report import write_report
-
         result.written = [str(p) for p in write_report(result, Path(output)) if p is not None]
     return result

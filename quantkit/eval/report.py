@@ -1,16 +1,50 @@
-"""Render a `Comparison`: a rich table for the terminal, a Markdown table, a PNG bar chart."""
+"""A comparison of models (`Comparison`, the rows eval/compare.py measures) and its renderings: a rich table
+for the terminal, a Markdown table, a PNG bar chart."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
-
-from quantkit.eval.compare import Comparison, ModelRow
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
 NO_CHART = "(No chart: matplotlib is not installed; `pip install matplotlib` adds it.)"
+
+
+@dataclass
+class ModelRow:
+    """One model under one KV-cache setting; the last three fields are against the reference row."""
+
+    name: str
+    path: str
+    method: str
+    bits: int
+    group_size: Optional[int]
+    kv: str
+    size_bytes: int
+    size_note: str = ""
+    ppl: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    delta_pct: dict[str, float] = field(default_factory=dict)
+    kl: dict[str, float] = field(default_factory=dict)  # mean KL(reference ‖ row), nats per token
+    top1: dict[str, float] = field(default_factory=dict)  # share of tokens whose argmax is the reference's
+
+
+@dataclass
+class Comparison:
+    """Rows in the order evaluated; `reference` says what the Δ %, KL and top-1 columns are against."""
+
+    rows: list[ModelRow]
+    datasets: list[str]
+    seqlen: int
+    windows: Optional[int]
+    reference: Optional[str] = None
+    written: list[str] = field(default_factory=list)  # report files (compare's `output`): .md, and .png if drawn
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def _group(row: ModelRow) -> str:

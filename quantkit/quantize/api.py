@@ -60,9 +60,9 @@ def _peak_rss_gb() -> float:
 def _versions() -> dict[str, str]:
     import transformers
 
-    import quantkit
+    from quantkit.version import __version__
 
-    return {"quantkit": quantkit.__version__, "torch": torch.__version__,
+    return {"quantkit": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
