@@ -51,12 +51,6 @@ def _setup_logging(quiet: bool) -> None:
     logging.getLogger("quantkit").setLevel(logging.WARNING if quiet else logging.INFO)
 
 
-def _calib(dataset: str | None, samples: int | None, seqlen: int | None, seed: int | None, data_dir: str | None,
-           batch_size: int | None) -> dict[str, Any]:
-    """The --calib-* flags as `CalibConfig` fields (None: the recipe's value, else the default)."""
-    return dict(dataset=dataset, samples=samples, seqlen=seqlen, seed=seed, data_dir=data_dir, batch_size=batch_size)
-
-
 def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Path | None, quiet: bool,
                   **overrides: Any) -> None:
     """`quantize` with the recipe's settings under the flags' (`build_config`'s overrides)."""
@@ -102,7 +96,8 @@ def rtn(
     _run_quantize(model, work_dir, overwrite, recipe, quiet, method="rtn", format=fmt, device=device,
                   weight=dict(bits=w_bits, group_size=group_size, symmetric=symmetric), awq=dict(rounding=rounding),
                   learn=dict(steps=learn_steps, lr=learn_lr),
-                  calib=_calib(calib_dataset, calib_samples, calib_seqlen, seed, data_dir, batch_size))
+                  calib=dict(dataset=calib_dataset, samples=calib_samples, seqlen=calib_seqlen, seed=seed,
+                             data_dir=data_dir, batch_size=batch_size))
 
 
 @app.command()
@@ -317,7 +312,8 @@ def awq(
                   weight=dict(bits=w_bits, group_size=group_size), learn=dict(steps=learn_steps, lr=learn_lr),
                   awq=dict(n_grid=n_grid, duo_scaling=duo_scaling, max_shrink=max_shrink,
                            clip=False if no_clip else None, rounding=rounding),
-                  calib=_calib(calib_dataset, calib_samples, calib_seqlen, seed, data_dir, batch_size))
+                  calib=dict(dataset=calib_dataset, samples=calib_samples, seqlen=calib_seqlen, seed=seed,
+                             data_dir=data_dir, batch_size=batch_size))
 
 
 # --- the engine: `quantkit chat`, `quantkit bench latency|throughput` ---

@@ -106,7 +106,7 @@ class Engine:
         from quantkit.engine.model import load_decoder
 
         config = config or EngineConfig()
-        if config.kv_scales == "static" and config.kv_bits != 16:  # refused before the weights load
+        if config.static_kv_scales:  # refused before the weights load
             from quantkit.engine.kv_scales import stats_file_for
 
             config = dataclasses.replace(config, kv_stats=str(stats_file_for(path, config.kv_stats)))

@@ -71,13 +71,11 @@ class PagedKV:
                  static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None,
                  rotation: Optional[str] = None) -> "PagedKV":
         """A zeroed pool (zeros, so that a slot never written holds finite numbers). `static`: the
-        per-head (k_scale, k_zero, v_scale, v_zero) of `static_scales`, for bits 8/4 only. `rotation`:
+        per-head (k_scale, k_zero, v_scale, v_zero) of `static_scales` (bits 16 has none to use). `rotation`:
         "hadamard", "none", or "auto"/None (hadamard for bits 4 with online scales)."""
         check_bits(bits, head_dim)
         rotate = pool_rotation(rotation, bits, static is not None, head_dim, dtype, device)
         if static is not None:
-            if bits == 16:
-                raise UserError("static KV scales apply to kv_bits 8 or 4, not 16")
             if any(t.shape != (kv_heads,) for t in static):
                 raise UserError(f"static KV scales hold {[tuple(t.shape) for t in static]} values, "
                                 f"not one per KV head ({kv_heads}): statistics of another model?")
