@@ -22,6 +22,7 @@ from quantkit.config import UserError
 from quantkit.engine import weights
 from quantkit.engine.attention import Attention, AttnMetadata
 from quantkit.engine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from quantkit.formats.registry import FORMATS
 from quantkit.models.registry import ArchSpec, spec_for_config
 
 log = logging.getLogger(__name__)
@@ -196,8 +197,8 @@ def resolve_dtype(requested: Any, config: dict, device: torch.device) -> torch.d
         return getattr(torch, requested)  # EngineConfig accepted the name
     if device.type != "cuda":
         return torch.float32
-    quant = config.get("quantization_config") or {}
-    if quant.get("quant_method") == "awq":
+    fmt = FORMATS.get((config.get("quantization_config") or {}).get("quant_method"))
+    if fmt is not None and fmt.fp16_activations:
         return torch.float16
     saved = str(config.get("torch_dtype") or config.get("dtype") or "float16").removeprefix("torch.")
     if saved not in ("bfloat16", "float32"):

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from quantkit.formats import compressed_tensors
-from quantkit.formats.quant_config import layout_problem
+from quantkit.formats.layout import WeightFormat, WeightLayout
+from quantkit.formats.registry import UnsupportedFormat, format_of
 from quantkit.models import lazy
 from quantkit.models.loading import ModelLoadError, read_config_json, transformers_config
 from quantkit.models.registry import ArchSpec, spec_for_config
@@ -39,7 +39,20 @@ class Checkpoint:
     convert: Optional[Callable[[dict], dict]] = None  # to the target layout's names (a converted family)
     layer_pattern: Optional["re.Pattern[str]"] = None  # block index of a source tensor name
     spec: Optional[ArchSpec] = None
-    quant: Optional[dict] = None  # quantization_config of a quantkit export
+    format: Optional[WeightFormat] = None  # the packed-weight format of a quantkit export
+    layout: Optional[WeightLayout] = None  # and the layout its quantization_config records
+
+
+def weight_format(quant: Optional[dict], where: Path) -> tuple[Optional[WeightFormat], Optional[WeightLayout]]:
+    """The format and layout of a checkpoint's quantization_config (None, None without one), or a
+    ModelLoadError saying why its tensors cannot be read."""
+    if not quant:
+        return None, None
+    try:
+        fmt = format_of(quant)
+    except UnsupportedFormat as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+    return fmt, fmt.read_layout(quant)
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -57,32 +70,22 @@ def open_checkpoint(path: Path) -> Checkpoint:
             raise ModelLoadError(f"{path}: a quantized {spec.name} checkpoint in its original layout is not "
                                  "supported; quantize the full-precision one with quantkit (its export is converted)")
         # A family exported in its source layout (LLaVA) converts by renaming: its packed tensors read alike.
-        problem = layout_problem(quant) if quant else None
-        if problem:
-            raise ModelLoadError(f"{path}: {problem}")
+        fmt, layout = weight_format(quant, path)
         return Checkpoint(path, conversion.config(cfg), lazy.TensorReader(path),
                           convert=lambda sd: conversion.state_dict(sd, cfg),
-                          layer_pattern=_layer_pattern(conversion.source_layers_path), spec=spec, quant=quant)
-    quant = cfg.get("quantization_config")
-    problem = layout_problem(quant) if quant else None
-    if problem:
-        raise ModelLoadError(f"{path}: {problem}")
+                          layer_pattern=_layer_pattern(conversion.source_layers_path), spec=spec,
+                          format=fmt, layout=layout)
+    fmt, layout = weight_format(cfg.get("quantization_config"), path)
     config = transformers_config(path)
     try:
         reader = lazy.TensorReader(path)
     except lazy.WeightsMismatch as exc:
         raise ModelLoadError(str(exc)) from None
-    return Checkpoint(path, config, reader, quant=quant, layer_pattern=_LAYER, spec=spec)
+    return Checkpoint(path, config, reader, layer_pattern=_LAYER, spec=spec, format=fmt, layout=layout)
 
 
 def _layer_pattern(layers_path: str) -> "re.Pattern[str]":
     return re.compile(rf"^{re.escape(layers_path)}\.(\d+)\.")
-
-
-def _quant_bits(qc: Optional[dict]) -> int:
-    if qc is None or qc["quant_method"] == "awq":
-        return 4
-    return int(next(iter(qc["config_groups"].values()))["weights"]["num_bits"])
 
 
 def generation_config(ckpt: Checkpoint):
@@ -98,33 +101,13 @@ def generation_config(ckpt: Checkpoint):
     return gen
 
 
-def _fuse_quant(parts: list[dict[str, torch.Tensor]], bits: int, dtype: torch.dtype) -> QuantLinear:
-    """One QuantLinear from checkpoint linears sharing their input, outputs in order."""
-    cat = lambda name, dim: torch.cat([p[name] for p in parts], dim=dim)  # noqa: E731
+def quant_linear(parts: list[dict[str, torch.Tensor]], fmt: WeightFormat, layout: WeightLayout,
+                 dtype: torch.dtype) -> QuantLinear:
+    """One QuantLinear from the checkpoint tensors of linears sharing their input (a bias among them),
+    outputs in order; its packed tensors are the checkpoint's, joined by the format where there are several."""
     biases = [p.get("bias") for p in parts]
-    if "qweight" in parts[0]:
-        qweight, qzeros, scales = cat("qweight", 1), cat("qzeros", 1), cat("scales", 1)
-        in_f, out_f = qweight.shape[0], scales.shape[1]
-        layer = QuantLinear(in_f, out_f, 4, in_f // scales.shape[0], layout="awq",
-                            bias=biases[0] is not None, device="meta")
-        tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
-    else:
-        per_word = 32 // bits
-        symmetric = parts[0].get("weight_zero_point") is None
-        outs = [int(p["weight_shape"][0]) for p in parts]
-        in_f = int(parts[0]["weight_shape"][1])
-        if symmetric or all(o % per_word == 0 for o in outs):
-            tensors = {"weight_packed": cat("weight_packed", 0), "weight_scale": cat("weight_scale", 0)}
-            if not symmetric:
-                tensors["weight_zero_point"] = cat("weight_zero_point", 0)
-        else:  # zero points pack several output rows per word: unpack, join, pack again
-            unpacked = [compressed_tensors.unpack_compressed(p, bits) for p in parts]
-            q, z, s = (torch.cat([u[i] for u in unpacked], dim=0) for i in range(3))
-            tensors = compressed_tensors.pack_compressed(q, z, s, bits, symmetric)
-            tensors["weight_scale"] = s
-        tensors["weight_shape"] = torch.tensor([sum(outs), in_f], dtype=torch.int64, device=tensors["weight_packed"].device)
-        layer = QuantLinear(in_f, sum(outs), bits, in_f // tensors["weight_scale"].shape[1], layout="packed",
-                            symmetric=symmetric, bias=biases[0] is not None, device="meta")
+    tensors = fmt.join([{n: t for n, t in p.items() if n != "bias"} for p in parts], layout)
+    layer = QuantLinear(**fmt.linear_args(tensors, layout), bias=biases[0] is not None, device="meta")
     if biases[0] is not None:
         tensors["bias"] = torch.cat(biases).to(dtype)
     for name, t in tensors.items():
@@ -149,7 +132,7 @@ def _take(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
     return {short: tensors.pop(full) for short, full in found.items()}
 
 
-def _load_linear(parent: nn.Module, child: str, full_name: str, tensors: dict, bits: int, dtype, where: Path) -> None:
+def _load_linear(parent: nn.Module, child: str, full_name: str, tensors: dict, ckpt: Checkpoint, dtype) -> None:
     base = full_name.rpartition(".")[0]
     sources = [f"{base}.{s}" if base else s for s in FUSED.get(child, (child,))]
     # A checkpoint that stores the fused linear itself (Glm's gate_up_proj) is read as one part.
@@ -157,14 +140,15 @@ def _load_linear(parent: nn.Module, child: str, full_name: str, tensors: dict, b
     if whole:
         sources = [full_name]
     parts = [whole] if whole else [_take(tensors, s) for s in sources]
+    where = ckpt.directory
     missing = [s for s, p in zip(sources, parts) if not p]
     if missing:
         raise ModelLoadError(f"{where}: the checkpoint has no tensors for {missing[0]} (is it a complete checkpoint?)")
-    kinds = {"qweight" in p or "weight_packed" in p for p in parts}
+    kinds = {ckpt.format is not None and ckpt.format.holds(p) for p in parts}
     if len(kinds) > 1:
         raise ModelLoadError(f"{where}: {', '.join(sources)} are not all quantized alike; the engine runs them as "
                              "one layer: quantize all of them or none")
-    layer = _fuse_quant(parts, bits, dtype) if kinds.pop() else _fuse_fp(parts, dtype)
+    layer = quant_linear(parts, ckpt.format, ckpt.layout, dtype) if kinds.pop() else _fuse_fp(parts, dtype)
     old = getattr(parent, child)
     if (layer.in_features, layer.out_features) != (old.in_features, old.out_features):
         raise ModelLoadError(f"{where}: {', '.join(sources)} map {layer.in_features} → {layer.out_features} features, "
@@ -174,13 +158,12 @@ def _load_linear(parent: nn.Module, child: str, full_name: str, tensors: dict, b
 
 def _load_module_tensors(model: nn.Module, names: list[str], tensors: dict, ckpt: Checkpoint, device, dtype) -> None:
     """Fill the modules `names` (ours, HF-style paths) from `tensors` (checkpoint names, on `device`)."""
-    bits = _quant_bits(ckpt.quant)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
         if isinstance(module, nn.Linear):
-            _load_linear(parent, child, name, tensors, bits, dtype, ckpt.directory)
+            _load_linear(parent, child, name, tensors, ckpt, dtype)
             continue
         own = _take(tensors, name)
         for pname, _ in list(module.named_parameters(recurse=False)):

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.formats.kv_stats import LEGACY_FILE_NAME
+from quantkit.formats.registry import FORMATS, format_of
 
 
 @dataclass
@@ -40,7 +41,7 @@ def is_checkpoint(path: Path) -> bool:
         qc = json.loads(cfg.read_text()).get("quantization_config") or {}
     except json.JSONDecodeError:
         return False
-    return qc.get("quant_method") in ("awq", "compressed-tensors")
+    return qc.get("quant_method") in FORMATS
 
 
 def checkpoint_size(path: Path) -> int:
@@ -50,15 +51,15 @@ def checkpoint_size(path: Path) -> int:
 
 
 def _weight_fields(path: Path) -> tuple[str, int, Optional[int]]:
-    from quantkit.runtime.loader import _layout_params, read_quant_config
+    from quantkit.runtime.loader import read_quant_config
 
     qc = read_quant_config(path)
-    bits, group_size, _ = _layout_params(qc)
+    layout = format_of(qc).read_layout(qc)
     method = qc["quant_method"]
     report = path / "quant_report.json"
     if report.is_file():
         method = json.loads(report.read_text()).get("method", method)
-    return method, bits, group_size
+    return method, layout.bits, layout.group_size
 
 
 def _describe(p: Path, model: Any, tokenizer: Any, reference: bool) -> EvalModel:

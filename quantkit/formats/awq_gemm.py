@@ -3,39 +3,32 @@
 qweight int32 [in, out/8]; qzeros int32 [in/group, out/8]; scales fp16 [in/group, out].
 Eight 4-bit values per int32 packed along the output dimension: nibble i (bits 4i..4i+3) holds
 column `AWQ_PACK_ORDER[i]` of its block of eight. Dequantized weight (transposed): (q − z) · s.
+config.json: quant_method "awq", version "gemm" (a missing version is gemm, as in AutoAWQ), bits 4.
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
+
+from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout, pack_words, unpack_words
 
 BITS = 4
 PACK_FACTOR = 32 // BITS
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-# Inverse permutation: column j of a block sits in nibble AWQ_UNPACK_ORDER[j].
-AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 TENSOR_NAMES = ("qweight", "qzeros", "scales")
 
 
 def _pack_cols(values: torch.Tensor) -> torch.Tensor:
     """[rows, cols] ints in 0..15 → int32 [rows, cols/8] in AWQ nibble order."""
-    rows, cols = values.shape
-    if cols % PACK_FACTOR:
-        raise ValueError(f"AWQ packing needs the output dimension ({cols}) to be a multiple of 8")
-    v = values.to(torch.int64).reshape(rows, cols // PACK_FACTOR, PACK_FACTOR)
-    v = v[:, :, list(AWQ_PACK_ORDER)]
-    shifts = torch.arange(0, 32, BITS, dtype=torch.int64, device=v.device)
-    packed = (v << shifts).sum(dim=-1)
-    # Values ≥ 2^31 wrap to negative int32, which is what the consumers read back.
-    return (packed - (packed >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+    if values.shape[1] % PACK_FACTOR:
+        raise ValueError(f"AWQ packing needs the output dimension ({values.shape[1]}) to be a multiple of 8")
+    return pack_words(values, BITS, AWQ_PACK_ORDER)
 
 
 def _unpack_cols(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, cols/8] → int32 [rows, cols] in 0..15, undoing `_pack_cols`."""
-    rows, pcols = packed.shape
-    shifts = torch.arange(0, 32, BITS, dtype=torch.int32, device=packed.device)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
-    return nibbles[:, :, list(AWQ_UNPACK_ORDER)].reshape(rows, pcols * PACK_FACTOR)
+    return unpack_words(packed, BITS, packed.shape[1] * PACK_FACTOR, AWQ_PACK_ORDER)
 
 
 def pack_awq_gemm(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -52,14 +45,42 @@ def unpack_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     return _unpack_cols(qweight).t(), _unpack_cols(qzeros).t(), scales.t()
 
 
-def quantization_config(group_size: int, modules_to_not_convert: list[str]) -> dict:
-    """The config.json entry that AutoAWQ, vLLM and transformers recognise."""
-    return {
-        "quant_method": "awq",
-        "bits": BITS,
-        "group_size": group_size,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": modules_to_not_convert,
-    }
+class AwqGemm(WeightFormat):
+    name = "awq"
+    tensor_names = TENSOR_NAMES
+    fp16_activations = True
 
+    def problem(self, qc: dict[str, Any]) -> Optional[str]:
+        """Other versions (gemv, gemv_fast, marlin pack the words differently) and bit widths are refused."""
+        version = str(qc.get("version", "gemm"))
+        if version.lower() != "gemm":
+            return (f"AWQ version {version!r} is not supported, only 'gemm': re-quantize with `quantkit awq` "
+                    "(or AutoAWQ with version='gemm')")
+        if int(qc.get("bits", BITS)) != BITS:
+            return f"AWQ with {qc['bits']} bits is not supported, only 4"
+        return None
+
+    def read_layout(self, qc: dict[str, Any]) -> WeightLayout:
+        return WeightLayout(int(qc.get("bits", BITS)), int(qc["group_size"]), not qc.get("zero_point", True))
+
+    def write_config(self, layout: WeightLayout, ignore: list[str]) -> dict[str, Any]:
+        """The entry AutoAWQ, vLLM and transformers recognise."""
+        return {"quant_method": "awq", "bits": BITS, "group_size": layout.group_size, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": ignore}
+
+    def pack(self, q, zeros, scales, layout: WeightLayout) -> Tensors:
+        return pack_awq_gemm(q, zeros, scales)
+
+    def unpack(self, tensors: Tensors, layout: WeightLayout):
+        return unpack_awq_gemm(tensors["qweight"], tensors["qzeros"], tensors["scales"])
+
+    def linear_args(self, tensors: Tensors, layout: WeightLayout) -> dict[str, Any]:
+        in_f, (groups, out_f) = tensors["qweight"].shape[0], tensors["scales"].shape
+        return dict(in_features=in_f, out_features=out_f, bits=BITS, group_size=in_f // groups, layout="awq")
+
+    def join(self, parts: list[Tensors], layout: WeightLayout) -> Tensors:
+        """Outputs run along dim 1 of all three tensors, eight columns per word."""
+        return {name: torch.cat([p[name] for p in parts], dim=1) for name in TENSOR_NAMES}
+
+
+FORMAT = AwqGemm()

@@ -16,31 +16,15 @@ one number per layer anyway (the largest head's).
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
+
+from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout, pack_words, unpack_words
 
 TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 KV_SCALE_NAMES = ("k_scale", "v_scale")
 FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value: absmax maps onto it
-
-
-def _pack_dim1(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """[rows, n] ints in 0..2^b−1 → int32 [rows, ceil(n·b/32)], sequential, zero padded."""
-    per_word = 32 // bits
-    rows, n = values.shape
-    words = -(-n // per_word)
-    v = torch.zeros(rows, words * per_word, dtype=torch.int64, device=values.device)
-    v[:, :n] = values.to(torch.int64)
-    v = v.reshape(rows, words, per_word)
-    shifts = torch.arange(0, bits * per_word, bits, dtype=torch.int64, device=v.device)
-    packed = (v << shifts).sum(dim=-1)
-    return (packed - (packed >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
-
-
-def _unpack_dim1(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    per_word = 32 // bits
-    shifts = torch.arange(0, bits * per_word, bits, dtype=torch.int32, device=packed.device)
-    v = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return v.reshape(packed.shape[0], -1)[:, :n]
 
 
 def pack_compressed(
@@ -48,22 +32,22 @@ def pack_compressed(
 ) -> dict[str, torch.Tensor]:
     """From quantkit's q [out, in], zeros and scales [out, groups] to pack-quantized tensors."""
     out = {
-        "weight_packed": _pack_dim1(q, bits),
+        "weight_packed": pack_words(q, bits),
         "weight_scale": scales.to(torch.float16).contiguous(),
         "weight_shape": torch.tensor(list(q.shape), dtype=torch.int64),
     }
     if not symmetric:
-        out["weight_zero_point"] = _pack_dim1(zeros.t().contiguous(), bits).t().contiguous()
+        out["weight_zero_point"] = pack_words(zeros.t().contiguous(), bits).t().contiguous()
     return out
 
 
 def unpack_compressed(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Back to q [out, in], zeros [out, groups] (int32) and scales [out, groups]."""
     out_f, in_f = (int(x) for x in tensors["weight_shape"].tolist())
-    q = _unpack_dim1(tensors["weight_packed"], bits, in_f)
+    q = unpack_words(tensors["weight_packed"], bits, in_f)
     scales = tensors["weight_scale"]
-    if "weight_zero_point" in tensors and tensors["weight_zero_point"] is not None:
-        zeros = _unpack_dim1(tensors["weight_zero_point"].t().contiguous(), bits, out_f).t()
+    if tensors.get("weight_zero_point") is not None:
+        zeros = unpack_words(tensors["weight_zero_point"].t().contiguous(), bits, out_f).t()
     else:
         zeros = torch.full(scales.shape, 2 ** (bits - 1), dtype=torch.int32, device=scales.device)
     return q, zeros, scales
@@ -97,6 +81,61 @@ def quantization_config(bits: int, group_size: int, symmetric: bool, ignore: lis
         "ignore": ignore,
         "kv_cache_scheme": None,
     }
+
+
+class CompressedTensors(WeightFormat):
+    name = "compressed-tensors"
+    tensor_names = TENSOR_NAMES
+    writes_kv_scales = True
+
+    def problem(self, qc: dict[str, Any]) -> Optional[str]:
+        """Formats other than pack-quantized (float, sparse, …) are refused."""
+        if qc.get("format", "pack-quantized") != "pack-quantized":
+            return (f"compressed-tensors format {qc['format']!r} is not supported, only 'pack-quantized' "
+                    "(weight-only int4/int8): re-quantize with `quantkit rtn|int8|awq`")
+        return None
+
+    def read_layout(self, qc: dict[str, Any]) -> WeightLayout:
+        weights = next(iter(qc["config_groups"].values()))["weights"]
+        group_size = -1 if weights.get("strategy") == "channel" else int(weights["group_size"])
+        return WeightLayout(int(weights["num_bits"]), group_size, bool(weights["symmetric"]))
+
+    def write_config(self, layout: WeightLayout, ignore: list[str]) -> dict[str, Any]:
+        return quantization_config(layout.bits, layout.group_size, layout.symmetric, ignore)
+
+    def pack(self, q, zeros, scales, layout: WeightLayout) -> Tensors:
+        return pack_compressed(q, zeros, scales, layout.bits, layout.symmetric)
+
+    def unpack(self, tensors: Tensors, layout: WeightLayout):
+        return unpack_compressed(tensors, layout.bits)
+
+    def linear_args(self, tensors: Tensors, layout: WeightLayout) -> dict[str, Any]:
+        out_f, in_f = (int(x) for x in tensors["weight_shape"].tolist())
+        return dict(in_features=in_f, out_features=out_f, bits=layout.bits, layout="packed",
+                    group_size=in_f // tensors["weight_scale"].shape[1],
+                    symmetric=tensors.get("weight_zero_point") is None)
+
+    def join(self, parts: list[Tensors], layout: WeightLayout) -> Tensors:
+        """Outputs run along dim 0. Zero points pack 32/b output rows per word: where a part's rows do not
+        fill its last word, they are unpacked, joined and packed again."""
+        cat = lambda name: torch.cat([p[name] for p in parts], dim=0)  # noqa: E731
+        symmetric = parts[0].get("weight_zero_point") is None
+        outs = [int(p["weight_shape"][0]) for p in parts]
+        if symmetric or all(o % (32 // layout.bits) == 0 for o in outs):
+            tensors = {"weight_packed": cat("weight_packed"), "weight_scale": cat("weight_scale")}
+            if not symmetric:
+                tensors["weight_zero_point"] = cat("weight_zero_point")
+        else:
+            unpacked = [unpack_compressed(p, layout.bits) for p in parts]
+            q, z, s = (torch.cat([u[i] for u in unpacked], dim=0) for i in range(3))
+            tensors = pack_compressed(q, z, s, layout.bits, symmetric)
+            tensors["weight_scale"] = s
+        in_f = int(parts[0]["weight_shape"][1])
+        tensors["weight_shape"] = torch.tensor([sum(outs), in_f], dtype=torch.int64, device=tensors["weight_packed"].device)
+        return tensors
+
+
+FORMAT = CompressedTensors()
 
 
 def kv_cache_scheme() -> dict:

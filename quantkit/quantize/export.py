@@ -8,9 +8,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 import torch
 
 from quantkit.config import QuantizeConfig
-from quantkit.formats import awq_gemm, compressed_tensors
+from quantkit.formats import compressed_tensors
 from quantkit.formats.checkpoint import write_checkpoint
 from quantkit.formats.kv_stats import FILE_NAME as KV_STATS_FILE
+from quantkit.formats.layout import WeightLayout
+from quantkit.formats.registry import FORMATS
 from quantkit.models.lazy import TensorReader
 from quantkit.models.loading import LoadedModel, read_config_json
 from quantkit.models.registry import ArchSpec, SourceLayout
@@ -22,23 +24,25 @@ ExtraFiles = dict[str, dict[str, torch.Tensor]]
 STREAM_SHARD_BYTES = 1024**3
 
 
+def weight_layout(config: QuantizeConfig) -> WeightLayout:
+    """The layout that both the packed tensors and the quantization_config of an export record."""
+    return WeightLayout(config.weight.bits, config.weight.group_size, config.weight.symmetric)
+
+
 def packed_tensors(qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
     """Packed tensors for every quantized linear, named `<module>.<tensor>` as the format wants, on the host.
 
     The bit packing runs on the accelerator when there is one (`config.device`, else CUDA when
     present): on a 7B model it is about 35 s of host time and well under a second there."""
     out: dict[str, torch.Tensor] = {}
-    fmt = config.resolved_format
+    fmt, layout = FORMATS[config.resolved_format], weight_layout(config)
     if config.device:
         device = torch.device(config.device)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name, qw in qweights.items():
         q, zeros, scales = (None if t is None else t.to(device) for t in (qw.q, qw.zeros, qw.scales))
-        if fmt == "awq":
-            packed = awq_gemm.pack_awq_gemm(q, zeros, scales)
-        else:
-            packed = compressed_tensors.pack_compressed(q, zeros, scales, qw.bits, config.weight.symmetric)
+        packed = fmt.pack(q, zeros, scales, layout)
         for key, t in packed.items():
             out[f"{name}.{key}"] = t.cpu()
     return out
@@ -96,14 +100,10 @@ def export_config(loaded: LoadedModel, config: QuantizeConfig, kv_cache_scheme: 
     cfg["torch_dtype"] = "float16"
     cfg["dtype"] = "float16"
     add_legacy_rope_keys(cfg)
-    w = config.weight
-    keep = list(loaded.spec.keep_fp)
-    if config.resolved_format == "awq":
-        cfg["quantization_config"] = awq_gemm.quantization_config(w.group_size, keep)
-    else:
-        cfg["quantization_config"] = compressed_tensors.quantization_config(w.bits, w.group_size, w.symmetric, keep)
-        if kv_cache_scheme:
-            cfg["quantization_config"]["kv_cache_scheme"] = compressed_tensors.kv_cache_scheme()
+    cfg["quantization_config"] = FORMATS[config.resolved_format].write_config(weight_layout(config),
+                                                                              list(loaded.spec.keep_fp))
+    if kv_cache_scheme:
+        cfg["quantization_config"]["kv_cache_scheme"] = compressed_tensors.kv_cache_scheme()
     layout = source_layout(loaded)
     if layout is not None:  # the source's config.json, with this quantization_config
         return layout.config(read_config_json(Path(loaded.source)), cfg["quantization_config"])
@@ -144,7 +144,7 @@ def vllm_kv_scales(model: torch.nn.Module, config: QuantizeConfig, kv_stats: dic
     """The KV statistics as the per-layer `k_scale` / `v_scale` tensors that vLLM reads, for a
     compressed-tensors export that has statistics (else {}). vLLM takes them only with a
     compressed-tensors kv_cache_scheme (fp8); for quant_method awq it loads none."""
-    if kv_stats is None or config.resolved_format == "awq":
+    if kv_stats is None or not FORMATS[config.resolved_format].writes_kv_scales:
         return {}
     attention = [name for name, module in model.named_modules() if hasattr(module, "k_proj") and hasattr(module, "v_proj")]
     if len(attention) != kv_stats["k_absmax"].shape[0]:

@@ -12,12 +12,10 @@ import torch
 from quantkit.config import check_device
 from quantkit.formats.checkpoint import CheckpointError, read_safetensors
 from quantkit.formats.compressed_tensors import KV_SCALE_NAMES
-from quantkit.formats.quant_config import layout_problem
+from quantkit.formats.registry import FORMATS, UnsupportedFormat, format_of
 from quantkit.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
-
-_MARKERS = {"qweight": "awq", "weight_packed": "packed"}
 
 
 def read_quant_config(path: Path) -> dict[str, Any]:
@@ -35,14 +33,13 @@ def read_quant_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({getattr(exc, 'msg', exc)}{where}): "
                               "repair it or re-create the checkpoint") from None
     qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    if not qc or qc.get("quant_method") not in ("awq", "compressed-tensors"):
-        raise CheckpointError(
-            f"{path} is not a quantized checkpoint (no awq or compressed-tensors quantization_config); "
-            "quantize it first with `quantkit rtn|int8|awq`"
-        )
-    problem = layout_problem(qc)
-    if problem:
-        raise CheckpointError(f"{path}: {problem}")
+    if not qc or qc.get("quant_method") not in FORMATS:
+        raise CheckpointError(f"{path} is not a quantized checkpoint (no {' or '.join(FORMATS)} "
+                              "quantization_config); quantize it first with `quantkit rtn|int8|awq`")
+    try:
+        format_of(qc)
+    except UnsupportedFormat as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     return qc
 
 
@@ -57,33 +54,19 @@ def model_config(path: Path):
         raise CheckpointError(str(exc)) from None
 
 
-def _layout_params(qc: dict[str, Any]) -> tuple[int, int, bool]:
-    """bits, group_size, symmetric from either format's quantization_config."""
-    if qc["quant_method"] == "awq":
-        return int(qc["bits"]), int(qc["group_size"]), not qc.get("zero_point", True)
-    weights = next(iter(qc["config_groups"].values()))["weights"]
-    gs = -1 if weights.get("strategy") == "channel" else int(weights["group_size"])
-    return int(weights["num_bits"]), gs, bool(weights["symmetric"])
+def _replace_linears(model: torch.nn.Module, sd: dict[str, torch.Tensor], qc: dict[str, Any], dtype) -> list[str]:
+    """Put a QuantLinear, built by the engine's loader from its tensors (taken out of `sd`), in place of each
+    packed linear; returns their names."""
+    from quantkit.engine.weights import quant_linear
 
-
-def _replace_linears(model: torch.nn.Module, sd: dict[str, torch.Tensor], qc: dict[str, Any]) -> int:
-    bits, group_size, symmetric = _layout_params(qc)
-    count = 0
-    for key in list(sd):
-        module_name, _, tensor_name = key.rpartition(".")
-        layout = _MARKERS.get(tensor_name)
-        if layout is None:
-            continue
-        parent_name, _, child = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        new = QuantLinear(
-            old.in_features, old.out_features, bits, group_size, layout=layout,
-            symmetric=symmetric if layout == "packed" else False, bias=old.bias is not None,
-        )
-        setattr(parent, child, new)
-        count += 1
-    return count
+    fmt = format_of(qc)
+    layout = fmt.read_layout(qc)
+    names = [key.rpartition(".")[0] for key in sd if key.rpartition(".")[2] == fmt.tensor_names[0]]
+    for name in names:
+        part = {t: sd.pop(f"{name}.{t}") for t in (*fmt.tensor_names, "bias") if f"{name}.{t}" in sd}
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, quant_linear([part], fmt, layout, dtype))
+    return names
 
 
 def _transformers_names(config: Any):
@@ -132,26 +115,27 @@ def load(
 
             model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
             sd = to_transformers(sd, set(model.state_dict()))
-    n = _replace_linears(model, sd, qc)
-    sd = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(("scales", "weight_scale")) else v) for k, v in sd.items()}
+    quantized = _replace_linears(model, sd, qc, dtype)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    filled = tuple(f"{name}." for name in quantized)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight") and not m.startswith(filled)]
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     if tied:
         model.tie_weights()
     model.to(device).eval()
-    if cache_dequantized if cache_dequantized is not None else device.type == "cpu":
-        for module in model.modules():
-            if isinstance(module, QuantLinear):
-                module.cache_dequantized = True
+    cache = cache_dequantized if cache_dequantized is not None else device.type == "cpu"
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.cache_dequantized = cache
     if (path / "generation_config.json").is_file():
         # The export's EOS list (e.g. a chat model's end-of-turn token) and sampling defaults;
         # from_config alone would leave only the config's single eos_token_id.
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(path))
-    log.info("loaded %s: %d quantized linears on %s", path, n, device)
+    log.info("loaded %s: %d quantized linears on %s", path, len(quantized), device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return model, tokenizer

@@ -11,9 +11,11 @@ import quantkit
 from quantkit_testing.decoder_check import assert_same_logits, engine_logits, engine_step, hf_model, make_prompts
 from quantkit.config import QuantizeConfig, WeightQuantConfig
 from quantkit.engine.model import load_decoder
-from quantkit.engine.weights import _fuse_quant
+from quantkit.engine.weights import quant_linear
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
+from quantkit.formats.layout import WeightLayout
+from quantkit.formats.registry import FORMATS
 from quantkit.kernels import reference
 from quantkit.nn import QuantLinear
 from quantkit_testing.tiny import TINY, make_tiny_model, make_tokenizer
@@ -149,7 +151,8 @@ def test_fused_quant_linear_is_its_parts_stacked(layout, outs):
     """Output rows of the fused layer are the parts' rows in order (zero points of 12- and 20-row parts
     share packed words, so they are repacked)."""
     parts = _parts(layout, outs)
-    fused = _fuse_quant(parts, 4, torch.float32)
+    fmt = FORMATS["awq" if layout == "awq" else "compressed-tensors"]
+    fused = quant_linear(parts, fmt, WeightLayout(4, 32, False), torch.float32)
     want = torch.cat([_dequantized(p, layout) for p in parts])
     assert fused.out_features == sum(outs)
     torch.testing.assert_close(fused.dequantized_weight(), want, rtol=0, atol=0)
