@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from quantkit.config import WRITABLE_BITS_DOC, UserError, build_config, check_device, load_recipe
+from quantkit.config import GROUP_SIZES_DOC, WRITABLE_BITS_DOC, UserError, build_config, check_device, load_recipe
 from quantkit.engine_flags import (CACHE_FRACTION, DEVICE, DTYPE, KV_BITS, KV_BITS_EACH, KV_ROTATION, KV_SCALES,
                                    KV_STATS, engine_config)
 
@@ -29,6 +29,9 @@ FORMAT = typer.Option(
     None, "--format", help="On-disk format: awq (4-bit AWQ gemm) or compressed-tensors (4/8-bit). "
     "Default: awq for 4-bit, compressed-tensors otherwise.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars or log lines.")
+W_BITS = typer.Option(None, "--w-bits", help=f"Bits per weight: {WRITABLE_BITS_DOC} (default: 4).")
+GROUP_SIZE = typer.Option(None, "--group-size", help=f"Inputs per scale: {GROUP_SIZES_DOC} (default: 128). Must "
+                          "divide every layer's input dimension; otherwise the run is refused before any work.")
 # Calibration and learned rounding: `awq`, and `rtn --rounding learned`.
 CALIB_DATASET = typer.Option(None, "--calib-dataset", help="ptb, wikitext2, pydoc, or a .txt/.jsonl file (default: ptb).")
 CALIB_SAMPLES = typer.Option(None, "--calib-samples", help="Calibration windows (default: 128).")
@@ -67,10 +70,8 @@ def _run_quantize(model: str, work_dir: Path, overwrite: bool, recipe: Path | No
 def rtn(
     model: str = MODEL_ARG,
     work_dir: Path = WORK_DIR,
-    w_bits: int | None = typer.Option(None, "--w-bits", help=f"Bits per weight: {WRITABLE_BITS_DOC} (default: 4)."),
-    group_size: int | None = typer.Option(
-        None, "--group-size", help="Inputs per scale: 32, 64, 128, or -1 per output channel [default: 128]. "
-        "Must divide every layer's input dimension; otherwise the run is refused before any work."),
+    w_bits: int | None = W_BITS,
+    group_size: int | None = GROUP_SIZE,
     symmetric: bool | None = typer.Option(None, "--symmetric/--asymmetric", help="Zero point or not [default: asymmetric]."),
     rounding: str | None = typer.Option(
         None, "--rounding", help="nearest (no calibration data) or learned (rounding offsets and clip ranges learned "
@@ -280,9 +281,8 @@ def kv_calibrate(
 def awq(
     model: str = MODEL_ARG,
     work_dir: Path = WORK_DIR,
-    w_bits: int | None = typer.Option(None, "--w-bits", help=f"Bits per weight: {WRITABLE_BITS_DOC} (default: 4)."),
-    group_size: int | None = typer.Option(
-        None, "--group-size", help="Inputs per scale: 32, 64, 128 or -1 (default: 128); must divide every layer's input dimension."),
+    w_bits: int | None = W_BITS,
+    group_size: int | None = GROUP_SIZE,
     calib_dataset: str | None = CALIB_DATASET,
     calib_samples: int | None = CALIB_SAMPLES,
     calib_seqlen: int | None = CALIB_SEQLEN,

@@ -1,6 +1,5 @@
-"""The engine's command-line flags, declared once: chat, generate, serve, eval ppl, compare and the engine
-benchmarks take them under the same names with the same defaults and help, and `engine_config` turns them
-into an `EngineConfig` (whose checks say what is allowed). Typer only: the engine loads when a command runs."""
+"""The engine's command-line flags, declared once: every command that runs the engine takes them with the same
+names, defaults and help, and `engine_config` turns them into an `EngineConfig` (whose checks say what is allowed)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ CACHE_FRACTION = typer.Option(0.8, "--cache-max-entry-count", help="Fraction of 
 
 def engine_config(kv_bits: int, kv_scales: str, kv_stats: Optional[str], kv_rotation: str, device: Optional[str],
                   dtype: str, **more: Any):
-    """The `EngineConfig` of these flags (`more`: the command's other engine fields), after refusing a device
-    this machine lacks: every setting is checked before any model loads."""
+    """The `EngineConfig` of these flags and `more` of its fields, checked (the device too) before any model loads."""
     from quantkit.config import check_device
     from quantkit.engine.config import EngineConfig
 
