@@ -43,18 +43,6 @@ class Checkpoint:
     layout: Optional[WeightLayout] = None  # and the layout its quantization_config records
 
 
-def weight_format(quant: Optional[dict], where: Path) -> tuple[Optional[WeightFormat], Optional[WeightLayout]]:
-    """The format and layout of a checkpoint's quantization_config (None, None without one), or a
-    ModelLoadError saying why its tensors cannot be read."""
-    if not quant:
-        return None, None
-    try:
-        fmt = format_of(quant)
-    except UnsupportedFormat as exc:
-        raise ModelLoadError(f"{where}: {exc}") from None
-    return fmt, fmt.read_layout(quant)
-
-
 def open_checkpoint(path: Path) -> Checkpoint:
     if not path.exists():
         raise ModelLoadError(f"{path} does not exist: pass a Hugging Face model directory or a quantkit export")
@@ -63,19 +51,21 @@ def open_checkpoint(path: Path) -> Checkpoint:
                              "quantkit export (quantize a .gguf file first, or use quantkit.load)")
     cfg = read_config_json(path)
     spec = spec_for_config(cfg)  # an unsupported architecture fails here, with the list of supported ones
-    if spec.conversion is not None:  # InternLM2, ...: run in another family's layout, converted per block
-        conversion = spec.conversion
-        quant = cfg.get("quantization_config")
-        if quant and conversion.export_layout is None:
-            raise ModelLoadError(f"{path}: a quantized {spec.name} checkpoint in its original layout is not "
-                                 "supported; quantize the full-precision one with quantkit (its export is converted)")
+    conversion, quant = spec.conversion, cfg.get("quantization_config")
+    if quant and conversion is not None and conversion.export_layout is None:
+        raise ModelLoadError(f"{path}: a quantized {spec.name} checkpoint in its original layout is not "
+                             "supported; quantize the full-precision one with quantkit (its export is converted)")
+    try:
+        fmt = format_of(quant) if quant else None
+    except UnsupportedFormat as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    layout = fmt.read_layout(quant) if fmt else None
+    if conversion is not None:  # InternLM2, ...: run in another family's layout, converted per block
         # A family exported in its source layout (LLaVA) converts by renaming: its packed tensors read alike.
-        fmt, layout = weight_format(quant, path)
         return Checkpoint(path, conversion.config(cfg), lazy.TensorReader(path),
                           convert=lambda sd: conversion.state_dict(sd, cfg),
                           layer_pattern=_layer_pattern(conversion.source_layers_path), spec=spec,
                           format=fmt, layout=layout)
-    fmt, layout = weight_format(cfg.get("quantization_config"), path)
     config = transformers_config(path)
     try:
         reader = lazy.TensorReader(path)

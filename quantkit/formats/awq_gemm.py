@@ -20,29 +20,20 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 TENSOR_NAMES = ("qweight", "qzeros", "scales")
 
 
-def _pack_cols(values: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] ints in 0..15 → int32 [rows, cols/8] in AWQ nibble order."""
-    if values.shape[1] % PACK_FACTOR:
-        raise ValueError(f"AWQ packing needs the output dimension ({values.shape[1]}) to be a multiple of 8")
-    return pack_words(values, BITS, AWQ_PACK_ORDER)
-
-
-def _unpack_cols(packed: torch.Tensor) -> torch.Tensor:
-    return unpack_words(packed, BITS, packed.shape[1] * PACK_FACTOR, AWQ_PACK_ORDER)
-
-
 def pack_awq_gemm(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
     """From quantkit's [out, in] integers, [out, groups] zeros and scales to the AWQ gemm tensors."""
-    return {
-        "qweight": _pack_cols(q.t().contiguous()),
-        "qzeros": _pack_cols(zeros.t().contiguous()),
-        "scales": scales.t().contiguous().to(torch.float16),
-    }
+    if q.shape[0] % PACK_FACTOR:
+        raise ValueError(f"AWQ packing needs the output dimension ({q.shape[0]}) to be a multiple of 8")
+    return {"qweight": pack_words(q.t().contiguous(), BITS, AWQ_PACK_ORDER),
+            "qzeros": pack_words(zeros.t().contiguous(), BITS, AWQ_PACK_ORDER),
+            "scales": scales.t().contiguous().to(torch.float16)}
 
 
 def unpack_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Back to q [out, in], zeros [out, groups] (int32) and scales [out, groups]."""
-    return _unpack_cols(qweight).t(), _unpack_cols(qzeros).t(), scales.t()
+    out_f = scales.shape[1]
+    return (unpack_words(qweight, BITS, out_f, AWQ_PACK_ORDER).t(), unpack_words(qzeros, BITS, out_f, AWQ_PACK_ORDER).t(),
+            scales.t())
 
 
 class AwqGemm(WeightFormat):
