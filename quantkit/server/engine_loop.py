@@ -174,11 +174,13 @@ class EngineClient(abc.ABC):
 
 
 class EngineLoop(EngineClient):
-    """The engine stepped by a thread of this process (see the module docstring)."""
+    """The engine stepped by a thread of this process (see the module docstring); `before_step` goes to
+    its StepLoop."""
 
-    def __init__(self, engine: Any, supervision: Optional[Supervision] = None) -> None:
+    def __init__(self, engine: Any, supervision: Optional[Supervision] = None,
+                 before_step: Optional[Callable[[], None]] = None) -> None:
         super().__init__(supervision)
-        self.engine = engine
+        self.engine, self.before_step = engine, before_step
         self.info = EngineInfo.of(engine)
         self._stats = engine.stats()
         self._inbox = ThreadInbox()
@@ -197,7 +199,8 @@ class EngineLoop(EngineClient):
 
     def _run(self) -> None:
         try:
-            StepLoop(self.engine, self._inbox, lambda message: self._call(self._on_message, message)).run()
+            StepLoop(self.engine, self._inbox, lambda message: self._call(self._on_message, message),
+                     self.before_step).run()
         except BaseException as exc:  # the engine's state is not trusted after a failed step
             log.exception("the engine step failed")
             self._call(self._give_up, f"the engine step failed: {type(exc).__name__}: {exc}")

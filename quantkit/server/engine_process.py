@@ -37,9 +37,11 @@ from quantkit.server.step_loop import PipeInbox, StepLoop
 log = logging.getLogger(__name__)
 
 
-def engine_main(model: str, config: Any, tokenizer: Optional[str], commands, outputs, log_level: int) -> None:
+def engine_main(model: str, config: Any, tokenizer: Optional[str], commands, outputs, log_level: int,
+                before_step: Optional[Callable[[], None]] = None) -> None:
     """The engine process: load, report ("ready", EngineInfo, stats) or ("error", message), then run the
-    StepLoop. A step that fails as a whole ends the process with exit code 1 after ("fatal", message)."""
+    StepLoop (with `before_step`). A step that fails as a whole ends the process with exit code 1 after
+    ("fatal", message)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(message)s")
@@ -56,7 +58,7 @@ def engine_main(model: str, config: Any, tokenizer: Optional[str], commands, out
         return
     outputs.send(("ready", EngineInfo.of(engine), engine.stats()))
     try:
-        StepLoop(engine, PipeInbox(commands), outputs.send).run()
+        StepLoop(engine, PipeInbox(commands), outputs.send, before_step).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):   # the server is gone
         pass
     except BaseException as exc:
@@ -71,13 +73,13 @@ def engine_main(model: str, config: Any, tokenizer: Optional[str], commands, out
 class _Incarnation:
     """One engine process and the two threads that talk to it: a sender (commands) and a receiver."""
 
-    def __init__(self, model: str, config: Any, tokenizer: Optional[str]) -> None:
+    def __init__(self, model: str, config: Any, tokenizer: Optional[str], before_step: Optional[Callable]) -> None:
         ctx = multiprocessing.get_context("spawn")    # a fresh interpreter: no CUDA or threads inherited
         cmd_recv, self.cmd_send = ctx.Pipe(duplex=False)
         self.out_recv, out_send = ctx.Pipe(duplex=False)
         level = logging.getLogger().getEffectiveLevel()
         self.proc = ctx.Process(target=engine_main, name="quantkit-engine",
-                                args=(model, config, tokenizer, cmd_recv, out_send, level))
+                                args=(model, config, tokenizer, cmd_recv, out_send, level, before_step))
         self._child_ends = (cmd_recv, out_send)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
@@ -170,12 +172,13 @@ class _Incarnation:
 
 class EngineProcess(EngineClient):
     """The server's side of the engine process: `launch` (blocking, before serving), then `start` in the
-    event loop. See the module docstring for the restarts."""
+    event loop. See the module docstring for the restarts; `before_step` (picklable) goes to every
+    process's StepLoop."""
 
     def __init__(self, model: str, config: Any, tokenizer: Optional[str] = None,
-                 supervision: Optional[Supervision] = None) -> None:
+                 supervision: Optional[Supervision] = None, before_step: Optional[Callable[[], None]] = None) -> None:
         super().__init__(supervision)
-        self._args = (model, config, tokenizer)
+        self._args = (model, config, tokenizer, before_step)
         self._current: Optional[_Incarnation] = None   # the process serving now (None while restarting)
         self._starting: Optional[_Incarnation] = None  # a restart's process while it loads
         self._restart_times: list[float] = []

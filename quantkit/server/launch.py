@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from quantkit.config import UserError
 from quantkit.engine.config import EngineConfig
@@ -108,8 +108,9 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve(config: ServeConfig) -> None:
-    """Run the server until SIGTERM / Ctrl-C (see the module docstring)."""
+def serve(config: ServeConfig, before_step: Optional[Callable[[], None]] = None) -> None:
+    """Run the server until SIGTERM / Ctrl-C (see the module docstring). `before_step` runs in the engine's
+    step loop before every step (tests inject faults through it; picklable for the engine process)."""
     try:
         import uvicorn
 
@@ -128,10 +129,10 @@ def serve(config: ServeConfig) -> None:
     try:
         supervision = Supervision(step_timeout=config.engine_step_timeout, max_restarts=config.engine_restarts)
         if config.engine_thread:
-            backend = EngineLoop(load_engine(config.model, config.engine, config.tokenizer), supervision)
+            backend = EngineLoop(load_engine(config.model, config.engine, config.tokenizer), supervision, before_step)
             info = backend.info
         else:
-            backend = EngineProcess(config.model, config.engine, config.tokenizer, supervision)
+            backend = EngineProcess(config.model, config.engine, config.tokenizer, supervision, before_step)
             info = backend.launch()
     except BaseException:
         sock.close()

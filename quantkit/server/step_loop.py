@@ -21,22 +21,14 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 import threading
-import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from quantkit.config import UserError
 from quantkit.server.engine_requests import add_to_engine, lean
 
 log = logging.getLogger(__name__)
-
-FAULT_DIR_ENV = "QUANTKIT_FAULT_DIR"
-"""Test-only hook: a directory where a file `stall` makes the next step hang, and `crash` makes it raise
-(each file is removed when it fires). Unset in normal runs: the loop then never looks."""
-
 
 class Inbox(abc.ABC):
     """Where the loop's commands come from."""
@@ -79,39 +71,13 @@ class PipeInbox(Inbox):
         return None
 
 
-class Faults:
-    """The test-only fault hook (see FAULT_DIR_ENV)."""
-
-    def __init__(self, directory: Optional[str] = None) -> None:
-        directory = directory if directory is not None else os.environ.get(FAULT_DIR_ENV)
-        self.dir = Path(directory) if directory else None
-
-    def before_step(self) -> None:
-        if self.dir is None:
-            return
-        if _take(self.dir / "crash"):
-            raise RuntimeError("injected fault: the step failed")
-        if _take(self.dir / "stall"):
-            log.warning("injected fault: the step stalls")
-            while True:
-                time.sleep(3600)
-
-
-def _take(path: Path) -> bool:
-    try:
-        path.unlink()
-        return True
-    except FileNotFoundError:
-        return False
-
-
 class StepLoop:
-    """See the module docstring. `emit` sends one message to the server (from the loop's thread)."""
+    """See the module docstring. `emit` sends one message to the server (from the loop's thread);
+    `before_step`, when given, runs before every step (tests inject hangs and failures through it)."""
 
     def __init__(self, engine: Any, inbox: Inbox, emit: Callable[[tuple], None],
-                 faults: Optional[Faults] = None) -> None:
-        self.engine, self.inbox, self.emit = engine, inbox, emit
-        self.faults = faults or Faults()
+                 before_step: Optional[Callable[[], None]] = None) -> None:
+        self.engine, self.inbox, self.emit, self.before_step = engine, inbox, emit, before_step
 
     def run(self) -> None:
         """Serve commands until "stop" (or the inbox closes). A step that fails as a whole raises."""
@@ -126,7 +92,8 @@ class StepLoop:
             if not engine.has_unfinished_requests():
                 self.emit(("stats", engine.stats()))     # aborts freed blocks without a step
                 continue
-            self.faults.before_step()
+            if self.before_step is not None:
+                self.before_step()
             outputs = engine.step()
             rows = lean([o for o in outputs if o.finish_reason != "error"])
             failures = [(o.request_id, o.error) for o in outputs if o.finish_reason == "error"]

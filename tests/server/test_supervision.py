@@ -3,8 +3,9 @@ stream ends that stream with an error event and [DONE] and is restarted (the ser
 requests again, /metrics counts the restart); a stalled step is found by the watchdog and restarted; a
 spent restart budget, or a failed step with --engine-thread, exits the server non-zero.
 
-Stalls and step failures are injected through the engine's test-only hook (QUANTKIT_FAULT_DIR: a file
-`stall` or `crash` there fires once, at the next step)."""
+Stalls and step failures are injected through the step loop's `before_step` hook, passed to the server by
+quantkit_testing.serve_with_faults (a file `stall` or `crash` in the fault directory fires once, at the next
+step)."""
 
 from __future__ import annotations
 
@@ -36,15 +37,15 @@ def serves(url: str) -> bool:
         return False
 
 
-def start(tmp_path: Path, monkeypatch, *args: str) -> ServerProcess:
+def start(tmp_path: Path, *args: str) -> ServerProcess:
     faults = tmp_path / "faults"
     faults.mkdir(exist_ok=True)
-    monkeypatch.setenv("QUANTKIT_FAULT_DIR", str(faults))
-    return ServerProcess("random:tiny:fp16", "--num-kv-tokens", "1024", *args, log=tmp_path / "server.log")
+    return ServerProcess("random:tiny:fp16", "--num-kv-tokens", "1024", *args, log=tmp_path / "server.log",
+                         faults=faults)
 
 
-def test_a_killed_engine_ends_the_open_stream_and_is_restarted(tmp_path, monkeypatch):
-    server = start(tmp_path, monkeypatch)
+def test_a_killed_engine_ends_the_open_stream_and_is_restarted(tmp_path):
+    server = start(tmp_path)
     try:
         url = server.url
         first = engine_process(server.pid)
@@ -71,8 +72,8 @@ def test_a_killed_engine_ends_the_open_stream_and_is_restarted(tmp_path, monkeyp
         assert server.stop() == 0
 
 
-def test_the_watchdog_restarts_a_stalled_engine(tmp_path, monkeypatch):
-    server = start(tmp_path, monkeypatch, "--engine-step-timeout", "2")
+def test_the_watchdog_restarts_a_stalled_engine(tmp_path):
+    server = start(tmp_path, "--engine-step-timeout", "2")
     try:
         url = server.url
         assert serves(url)
@@ -86,8 +87,8 @@ def test_the_watchdog_restarts_a_stalled_engine(tmp_path, monkeypatch):
         assert server.stop() == 0
 
 
-def test_a_spent_restart_budget_exits_non_zero(tmp_path, monkeypatch):
-    server = start(tmp_path, monkeypatch, "--engine-restarts", "0")
+def test_a_spent_restart_budget_exits_non_zero(tmp_path):
+    server = start(tmp_path, "--engine-restarts", "0")
     assert serves(server.url)
     engine_process(server.pid).kill()
     code = wait_for(lambda: server.proc.poll(), 60, "the server to exit")
@@ -96,8 +97,8 @@ def test_a_spent_restart_budget_exits_non_zero(tmp_path, monkeypatch):
     server.stop()
 
 
-def test_a_failed_step_in_the_engine_thread_exits_non_zero(tmp_path, monkeypatch):
-    server = start(tmp_path, monkeypatch, "--engine-thread")
+def test_a_failed_step_in_the_engine_thread_exits_non_zero(tmp_path):
+    server = start(tmp_path, "--engine-thread")
     assert serves(server.url)
     (tmp_path / "faults" / "crash").touch()
     r = requests.post(server.url + CHAT, json=BODY, timeout=60)

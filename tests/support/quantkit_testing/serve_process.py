@@ -1,6 +1,7 @@
 """tests/server's helpers: `quantkit serve` as a real subprocess on 127.0.0.1 (a free port it picks
 itself) over a tiny random Llama whose tokenizer has a chat template, waited on /health, SIGTERMed
-(then killed) at the end; /metrics read as numbers."""
+(then killed) at the end, optionally with a fault hook in its step loop (`FaultDir`); /metrics read as
+numbers."""
 
 from __future__ import annotations
 
@@ -30,14 +31,43 @@ def write_chat_model(directory: Path) -> Path:
     return directory
 
 
-class ServerProcess:
-    """A `quantkit serve` child process; `url` once it answers /health."""
+class FaultDir:
+    """A step hook for `launch.serve(before_step=...)`: a file `stall` in `directory` makes the next step
+    hang, `crash` makes it raise (each file is removed when it fires)."""
 
-    def __init__(self, model: str, *args: str, log: Path) -> None:
+    def __init__(self, directory: str) -> None:
+        self.dir = Path(directory)
+
+    def __call__(self) -> None:
+        if _take(self.dir / "crash"):
+            raise RuntimeError("injected fault: the step failed")
+        if _take(self.dir / "stall"):
+            while True:
+                time.sleep(3600)
+
+
+def _take(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+class ServerProcess:
+    """A `quantkit serve` child process; `url` once it answers /health. With `faults` (a directory) its
+    engine steps through `FaultDir(faults)` (quantkit_testing.serve_with_faults)."""
+
+    def __init__(self, model: str, *args: str, log: Path, faults: Optional[Path] = None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.log_path = log
         self.log = open(log, "w")
-        cmd = [sys.executable, "-m", "quantkit.cli", "serve", model, "--port", "0", "--device", "cpu", *args]
+        entry = ["quantkit.cli"]
+        if faults is not None:
+            support = str(Path(__file__).resolve().parents[1])
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [support, env.get("PYTHONPATH")]))
+            entry = ["quantkit_testing.serve_with_faults", str(faults)]
+        cmd = [sys.executable, "-m", *entry, "serve", model, "--port", "0", "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = self._wait_ready()
 
