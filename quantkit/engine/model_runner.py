@@ -13,7 +13,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -268,7 +268,7 @@ class ModelRunner:
         read the static tensors below (the captured forward is passed the metadata made of them); `_replay`
         copies each step's values into them. `capture(forward, meta)` → (graph, output) makes one graph
         (default: a CUDA graph; the tests pass an eager stand-in)."""
-        capture = capture or self._cuda_graph
+        capture = capture or (lambda forward, meta: self._cuda_graph(forward, "_graph_pool"))
         buckets = graph_buckets(self.config.max_num_seqs)
         n, dev = buckets[-1], self.device
         self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -303,30 +303,23 @@ class ModelRunner:
             return
         self._piece_pool = None
         try:
-            self.piecewise = piecewise.PiecewiseGraphs(self.model, limit, capture or self._cuda_piece)
+            capture = capture or (lambda piece: self._cuda_graph(piece, "_piece_pool")[0].replay)
+            self.piecewise = piecewise.PiecewiseGraphs(self.model, limit, capture)
         except RuntimeError as exc:  # a kernel that cannot be captured: such steps run eagerly, still correct
             log.warning("piecewise CUDA-graph capture failed, prefill steps run eagerly: %s",
                         str(exc).splitlines()[0])
             self.piecewise = None
 
-    def _cuda_piece(self, piece: Callable[[], None]) -> Callable[[], None]:
+    def _cuda_graph(self, fn: Callable[[], Any], pool: str) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """(graph, what it returned) of `fn` captured on the memory pool kept as attribute `pool` (the first
+        capture's), after one eager call that compiles the kernels the capture launches, outside it."""
         with graph_warmup():
-            piece()
+            fn()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._piece_pool):
-            piece()
-        self._piece_pool = self._piece_pool or graph.pool()
-        return graph.replay
-
-    def _cuda_graph(self, forward: Callable[[], torch.Tensor], meta: AttnMetadata):
-        with graph_warmup():  # compiles the kernels the capture launches, outside it
-            forward()
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = forward()
-        self._graph_pool = self._graph_pool or graph.pool()
+        with torch.cuda.graph(graph, pool=getattr(self, pool)):
+            out = fn()
+        setattr(self, pool, getattr(self, pool) or graph.pool())
         return graph, out
 
     def _replay(self, step: StepInputs, bucket: int) -> torch.Tensor:
