@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from quantkit.config import UserError
 from quantkit.models.llama_family import LLAMA_GROUPS, LLAMA_LINEARS
-from quantkit.models.registry import ArchSpec, Conversion, register
+from quantkit.models.registry import ArchSpec, Conversion, register, split_fused_qkv
 from quantkit.models.tokenizer_convert import sentencepiece_to_fast
 
 BAICHUAN2 = "BaichuanForCausalLM"  # Baichuan2-7B/13B and Baichuan-13B
@@ -88,25 +88,19 @@ def _llama_config(cfg: dict[str, Any]):
     return LlamaConfig(**llama_config_dict(cfg))
 
 
-_W_PACK = re.compile(r"^(.*)\.self_attn\.W_pack\.weight$")
+_W_PACK = re.compile(r"^(.*)\.self_attn\.W_pack\.(weight)$")
 
 
 def to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Split every W_pack into q/k/v; Baichuan2's NormHead lm_head becomes its row-normalized weight."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in sd.items():
-        if name.endswith(".rotary_emb.inv_freq"):
-            continue
-        m = _W_PACK.match(name)
-        if m:
-            if tensor.shape[0] != 3 * cfg["hidden_size"]:
-                raise BaichuanConversionError(f"{name} has {tensor.shape[0]} rows, not 3 × hidden_size")
-            for proj, t in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3, dim=0)):
-                out[f"{m.group(1)}.self_attn.{proj}.weight"] = t.contiguous()
-            continue
-        if name == "lm_head.weight" and _architecture(cfg) == BAICHUAN2:
-            tensor = F.normalize(tensor.float(), dim=-1)  # what NormHead multiplies by in eval mode
-        out[name] = tensor
+    def split(name: str, tensor: torch.Tensor) -> tuple:
+        if tensor.shape[0] != 3 * cfg["hidden_size"]:
+            raise BaichuanConversionError(f"{name} has {tensor.shape[0]} rows, not 3 × hidden_size")
+        return tuple(t.contiguous() for t in tensor.chunk(3, dim=0))
+
+    out = split_fused_qkv(sd, _W_PACK, split, skip=(".rotary_emb.inv_freq",))
+    if "lm_head.weight" in out and _architecture(cfg) == BAICHUAN2:
+        out["lm_head.weight"] = F.normalize(out["lm_head.weight"].float(), dim=-1)  # NormHead's eval-mode weight
     return out
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from quantkit.config import UserError
-from quantkit.models.registry import ArchSpec, Conversion, ScaleGroup, register
+from quantkit.models.registry import ArchSpec, Conversion, ScaleGroup, register, split_fused_qkv
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ _RENAMES = (
     (r"\.mlp\.dense_h_to_4h\.", ".mlp.gate_up_proj."),
     (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
 )
-_QKV = re.compile(r"^transformer\.encoder\.layers\.(\d+)\.self_attention\.query_key_value\.(weight|bias)$")
+_QKV = re.compile(r"^(transformer\.encoder\.layers\.\d+)\.self_attention\.query_key_value\.(weight|bias)$")
 
 
 def to_glm_state_dict(sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -225,20 +225,8 @@ def to_glm_state_dict(sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[
     heads = cfg["num_attention_heads"]
     multi_query = bool(cfg.get("multi_query_attention", False))
     kv_heads = cfg["multi_query_group_num"] if multi_query else heads
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in sd.items():
-        if name.endswith("rotary_pos_emb.inv_freq"):
-            continue
-        m = _QKV.match(name)
-        if m:
-            parts = split_query_key_value(tensor, heads, kv_heads, multi_query)
-            for proj, t in zip(("q_proj", "k_proj", "v_proj"), parts):
-                out[f"model.layers.{m.group(1)}.self_attn.{proj}.{m.group(2)}"] = t
-            continue
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
-        out[name] = tensor
-    return out
+    return split_fused_qkv(sd, _QKV, lambda _, t: split_query_key_value(t, heads, kv_heads, multi_query),
+                           _RENAMES, skip=("rotary_pos_emb.inv_freq",))
 
 
 # --- tokenizer ------------------------------------------------------------------------------------

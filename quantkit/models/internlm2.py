@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from quantkit.models.llama_family import LLAMA_LINEARS
-from quantkit.models.registry import ArchSpec, Conversion, ScaleGroup, register
+from quantkit.models.registry import ArchSpec, Conversion, ScaleGroup, register, split_fused_qkv
 
 INTERNLM2 = register(
     ArchSpec(
@@ -31,6 +31,7 @@ INTERNLM2 = register(
     )
 )
 
+_WQKV = re.compile(r"^(.*)\.attention\.wqkv\.(weight|bias)$")
 _RENAMES = (
     (r"^model\.tok_embeddings\.", "model.embed_tokens."),
     (r"^output\.", "lm_head."),
@@ -92,15 +93,4 @@ def to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dic
     """Rename InternLM2 tensors to Llama names and split every wqkv (weight and bias)."""
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", heads)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in sd.items():
-        m = re.match(r"^(.*)\.attention\.wqkv\.(weight|bias)$", name)
-        if m:
-            q, k, v = split_wqkv(tensor, heads, kv_heads)
-            for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[f"{m.group(1)}.self_attn.{proj}.{m.group(2)}"] = t
-            continue
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
-        out[name] = tensor
-    return out
+    return split_fused_qkv(sd, _WQKV, lambda _, t: split_wqkv(t, heads, kv_heads), _RENAMES)

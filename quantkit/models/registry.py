@@ -7,6 +7,7 @@ and the module whose output measures the loss of a candidate scaling.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -70,6 +71,30 @@ class Conversion:
     # Set when the export keeps the source layout (else it is written in the converted one).
     export_layout: Optional[SourceLayout] = None
     generation: Optional[Callable[[Any, Path], Any]] = None
+
+
+def split_fused_qkv(sd: dict, fused: "re.Pattern[str]", split: Callable[[str, Any], tuple],
+                    renames: tuple[tuple[str, str], ...] = (), skip: tuple[str, ...] = ()) -> dict:
+    """A state dict in Llama's names: each tensor whose name matches `fused` (groups: the block's prefix,
+    the tensor's kind, e.g. weight) split by `split(name, tensor)` into q, k and v; names rewritten by
+    `renames` ((pattern, replacement) in order, the prefix of a split tensor too); names ending in
+    `skip` dropped."""
+    def renamed(name: str) -> str:
+        for pattern, repl in renames:
+            name = re.sub(pattern, repl, name)
+        return name
+
+    out = {}
+    for name, tensor in sd.items():
+        if name.endswith(skip):
+            continue
+        m = fused.match(name)
+        if m:
+            for proj, t in zip(("q_proj", "k_proj", "v_proj"), split(name, tensor)):
+                out[f"{renamed(m.group(1))}.self_attn.{proj}.{m.group(2)}"] = t
+        else:
+            out[renamed(name)] = tensor
+    return out
 
 
 @dataclass(frozen=True)
