@@ -16,13 +16,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "quantkit"
 
-# Layer → the modules (a name or a package prefix) it may import besides its own package. The lowest
-# layer imports config.py and nothing else of quantkit's.
-BASE = ("quantkit.kernels", "quantkit.formats", "quantkit.models", "quantkit.config", "quantkit.data",
-        "quantkit.version")
-ALLOWED = {prefix: ("quantkit.config",) for prefix in BASE}
-ALLOWED["quantkit.config"] = ALLOWED["quantkit.version"] = ()
-ALLOWED["quantkit.nn"] = ("quantkit.kernels", "quantkit.config")
+# Layer → the modules (a name or a package prefix) it may import besides its own package. Under everything,
+# modules that import nothing of quantkit's: config.py, version.py and packing.py (the int32 word arithmetic
+# that the formats and the kernels' reference share); the lowest layer imports those and nothing else.
+LEAVES = ("quantkit.config", "quantkit.packing", "quantkit.version")
+ALLOWED: dict[str, tuple[str, ...]] = {leaf: () for leaf in LEAVES}
+ALLOWED.update({prefix: LEAVES for prefix in ("quantkit.kernels", "quantkit.formats", "quantkit.models",
+                                              "quantkit.data")})
+ALLOWED["quantkit.nn"] = ("quantkit.kernels",)
 # engine/ and runtime/ sit below every user of them: never the server, the CLI, quantize/, eval/ or the
 # top package's API.
 FORBIDDEN = {prefix: ("quantkit.server", "quantkit.cli", "quantkit.demo", "quantkit.quantize", "quantkit.eval")
@@ -149,6 +150,10 @@ def test_the_graph_sees_every_kind_of_import():
     assert all(len(edges) < len(graph) for edges in graph.values()) and len(graph) > 50
     cyclic = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}}
     assert find_cycles(cyclic) == [["a", "b", "c", "a"]] and find_cycles({"a": {}, "b": {"a": 1}}) == []
+    upward = {"quantkit.kernels.a": {"quantkit.nn.b": 1, "quantkit.config": 1, "quantkit.kernels.c": 1},
+              "quantkit.engine.x": {"quantkit.server.y": 1, "quantkit.kernels.a": 1, "quantkit": 1}}
+    assert layer_violations(upward) == [("quantkit.engine.x", "quantkit"), ("quantkit.engine.x", "quantkit.server.y"),
+                                        ("quantkit.kernels.a", "quantkit.nn.b")]
 
 
 def test_no_import_cycle_inside_quantkit():
