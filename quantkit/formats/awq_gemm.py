@@ -12,11 +12,12 @@ from typing import Any, Optional
 
 import torch
 
-from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout, pack_words, unpack_words
+from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout
+from quantkit.packing import AWQ_ORDER as AWQ_PACK_ORDER
+from quantkit.packing import pack_words, unpack_words
 
 BITS = 4
 PACK_FACTOR = 32 // BITS
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 TENSOR_NAMES = ("qweight", "qzeros", "scales")
 
 

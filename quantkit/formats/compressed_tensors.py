@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout, pack_words, unpack_words
+from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout
+from quantkit.packing import pack_words, unpack_words
 
 TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 KV_SCALE_NAMES = ("k_scale", "v_scale")

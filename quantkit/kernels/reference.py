@@ -1,8 +1,7 @@
 """The torch reference of the quantized linears: W dequantized from packed tensors (y = x Wᵀ + b then).
 
-They consume the two packed layouts the loader holds, described by their constants here so that a
-kernel needs nothing from quantkit.formats:
-- "awq": qweight int32 [in, out/8] with nibble i of each word holding column AWQ_NIBBLE_COLUMN[i]
+They consume the two packed layouts the loader holds (their word packing: quantkit.packing):
+- "awq": qweight int32 [in, out/8] with nibble i of each word holding column packing.AWQ_ORDER[i]
   of its block of eight, qzeros int32 [groups, out/8] likewise, scales [groups, out].
 - "packed": weight_packed int32 [out, ceil(in·b/32)] with values packed sequentially along the
   input dimension, scales [out, groups], zero points packed sequentially along the output dimension.
@@ -13,24 +12,12 @@ from __future__ import annotations
 
 import torch
 
-AWQ_NIBBLE_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)
-_AWQ_COLUMN_NIBBLE = tuple(AWQ_NIBBLE_COLUMN.index(j) for j in range(8))
+from quantkit.packing import AWQ_ORDER, unpack_words
 
 
 def awq_ints(packed: torch.Tensor) -> torch.Tensor:
     """AWQ int32 [rows, cols/8] → int32 [rows, cols] in column order."""
-    rows, words = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    nib = (packed.unsqueeze(-1) >> shifts) & 0xF
-    return nib[:, :, list(_AWQ_COLUMN_NIBBLE)].reshape(rows, words * 8)
-
-
-def seq_ints(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """int32 [rows, words] with b-bit values packed sequentially → int32 [rows, n]."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, bits * per_word, bits, dtype=torch.int32, device=packed.device)
-    v = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return v.reshape(packed.shape[0], -1)[:, :n]
+    return unpack_words(packed, 4, packed.shape[1] * 8, AWQ_ORDER)
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -46,7 +33,7 @@ def packed_zero_points(weight_zero_point: torch.Tensor | None, weight_scale: tor
     """Zero points int32 [out, groups]: unpacked along the output dimension, or 2^(b−1) when symmetric."""
     if weight_zero_point is None:
         return torch.full(weight_scale.shape, 2 ** (bits - 1), dtype=torch.int32, device=weight_scale.device)
-    return seq_ints(weight_zero_point.t().contiguous(), bits, out_features).t()
+    return unpack_words(weight_zero_point.t().contiguous(), bits, out_features).t()
 
 
 def dequantize_packed(
@@ -59,7 +46,7 @@ def dequantize_packed(
     group_size: int,
 ) -> torch.Tensor:
     """W [out, in] in float32 from pack-quantized tensors (zero 2^(b−1) when symmetric)."""
-    q = seq_ints(weight_packed, bits, in_features)
+    q = unpack_words(weight_packed, bits, in_features)
     z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).repeat_interleave(group_size, dim=1)
     s = weight_scale.repeat_interleave(group_size, dim=1)
     return (q - z).float() * s.float()

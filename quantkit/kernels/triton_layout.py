@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from quantkit.kernels.reference import awq_ints, packed_zero_points, seq_ints
+from quantkit.kernels.reference import awq_ints, packed_zero_points
+from quantkit.packing import unpack_words
 
 BLOCK_WORDS = 4
 # Output rows repacked at a time. Repacking goes through int64 temporaries (8 bytes per weight, several
@@ -77,7 +78,7 @@ def unpack_block_planar(qweight: torch.Tensor, bits: int, k: int) -> torch.Tenso
     """The inverse of `pack_block_planar` (for tests): int32 [N, K]."""
     per_word = 32 // bits
     n = qweight.shape[0]
-    v = seq_ints(qweight, bits, qweight.shape[1] * per_word)
+    v = unpack_words(qweight, bits, qweight.shape[1] * per_word)
     v = v.reshape(n, -1, BLOCK_WORDS, per_word).transpose(2, 3).reshape(n, -1)
     return v[:, :k]
 
@@ -106,7 +107,7 @@ def from_packed(
     """Kernel layout from compressed-tensors pack-quantized tensors (4 or 8 bits)."""
     z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).to(torch.uint8)
     return KernelWeights(
-        qweight=by_rows(out_features, lambda r0, r1: _pack_block_planar_rows(seq_ints(weight_packed[r0:r1], bits,
+        qweight=by_rows(out_features, lambda r0, r1: _pack_block_planar_rows(unpack_words(weight_packed[r0:r1], bits,
                                                                                       in_features), bits)),
         scales=weight_scale.to(torch.float16).contiguous(),
         zeros=z.contiguous(),
