@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,18 +24,19 @@ def test_every_bench_script_answers_help_as_a_module_and_as_a_file(tmp_path):
     assert len(scripts) > 20 and BENCH / "throughput.py" in scripts
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
-    runs = {}
-    for script in scripts:  # all at once: each mostly waits on importing torch
+    commands = {}
+    for script in scripts:
         module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
-        runs[f"python -m {module}"] = subprocess.Popen(
-            [sys.executable, "-m", module, "--help"], cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        runs[f"python {script.relative_to(ROOT)}"] = subprocess.Popen(
-            [sys.executable, str(script), "--help"], cwd=tmp_path, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    failed = {}
-    for name, proc in runs.items():
-        out, _ = proc.communicate(timeout=600)
-        if proc.returncode != 0 or "usage:" not in out:
-            failed[name] = out[-1500:]
+        commands[f"python -m {module}"] = ([sys.executable, "-m", module, "--help"], ROOT)
+        commands[f"python {script.relative_to(ROOT)}"] = ([sys.executable, str(script), "--help"], tmp_path)
+
+    def run(item):
+        name, (cmd, cwd) = item
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        return name, None if proc.returncode == 0 and "usage:" in out else out[-1500:]
+
+    # A few at a time: each mostly imports torch, and all at once would hold many GB on a 2-core machine.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        failed = {name: out for name, out in pool.map(run, commands.items()) if out is not None}
     assert not failed, "\n\n".join(f"{name} → {out}" for name, out in failed.items())

@@ -22,7 +22,8 @@ from torch import nn
 from quantkit.config import UserError
 from quantkit.engine import weights
 from quantkit.engine.model import DecoderModel
-from quantkit.formats import compressed_tensors
+from quantkit.formats.layout import WeightLayout
+from quantkit.formats.registry import FORMATS
 from quantkit.models.registry import spec_for_config
 
 _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=1e-5,
@@ -58,9 +59,9 @@ SHAPES: dict[str, dict] = {
 GROUP_SIZE = 128
 WEIGHTS = ("w4", "w8", "fp16")
 # quantization_config of each quantized kind, as quantkit's exports write it.
-QUANT = {
-    "w4": {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm"},
-    "w8": compressed_tensors.quantization_config(8, -1, True, ["lm_head"]),
+QUANT = {  # weights kind → the export format and layout its random tensors take
+    "w4": (FORMATS["awq"], WeightLayout(4, GROUP_SIZE, symmetric=False)),
+    "w8": (FORMATS["compressed-tensors"], WeightLayout(8, -1, symmetric=True)),
 }
 
 
@@ -175,7 +176,8 @@ def random_model(config, weights_kind: str, device: torch.device, dtype: torch.d
     with torch.device("meta"):
         model = DecoderModel(config)
     reader = RandomTensors(config, quant is not None, device, dtype, 8 if weights_kind == "w8" else 4, model)
-    ckpt = weights.Checkpoint(Path(f"<random {model.family} {weights_kind}>"), config, reader, quant=quant)
+    fmt, layout = quant or (None, None)
+    ckpt = weights.Checkpoint(Path(f"<random {model.family} {weights_kind}>"), config, reader, format=fmt, layout=layout)
     weights.load_weights(model, ckpt, device, dtype)
     model.model.rotary_emb.to(device)
     return model.eval().requires_grad_(False)
