@@ -29,13 +29,9 @@ ALLOWED["quantkit.nn"] = ("quantkit.kernels",)
 FORBIDDEN = {prefix: ("quantkit.server", "quantkit.cli", "quantkit.demo", "quantkit.quantize", "quantkit.eval")
              for prefix in ("quantkit.engine", "quantkit.runtime")}
 
-# Edges that break the layers today, each in code that is being reworked under its own part of the same
-# change; an entry that no longer exists fails the test, so the list only shrinks.
-KNOWN_EXCEPTIONS = {
-    # models/ and formats/ share the lowest floor, beside each other: the lazy loader skips the KV-statistics
-    # file by a name formats/kv_stats.py defines (the formats' rework gives each file name one home).
-    ("quantkit.models.lazy", "quantkit.formats.kv_stats"),
-}
+# Edges allowed to break the layers, each with its reason (none today); an entry that no longer exists
+# fails the test, so the list only shrinks.
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from quantkit.formats.kv_stats import LEGACY_FILE_NAME as KV_STATS_AT_ROOT  # no weights: never read as such
 from quantkit.formats.layout import WeightFormat, WeightLayout
 from quantkit.formats.registry import UnsupportedFormat, format_of
 from quantkit.models import lazy
@@ -62,13 +63,13 @@ def open_checkpoint(path: Path) -> Checkpoint:
     layout = fmt.read_layout(quant) if fmt else None
     if conversion is not None:  # InternLM2, ...: run in another family's layout, converted per block
         # A family exported in its source layout (LLaVA) converts by renaming: its packed tensors read alike.
-        return Checkpoint(path, conversion.config(cfg), lazy.TensorReader(path),
+        return Checkpoint(path, conversion.config(cfg), lazy.TensorReader(path, skip=(KV_STATS_AT_ROOT,)),
                           convert=lambda sd: conversion.state_dict(sd, cfg),
                           layer_pattern=_layer_pattern(conversion.source_layers_path), spec=spec,
                           format=fmt, layout=layout)
     config = transformers_config(path)
     try:
-        reader = lazy.TensorReader(path)
+        reader = lazy.TensorReader(path, skip=(KV_STATS_AT_ROOT,))
     except lazy.WeightsMismatch as exc:
         raise ModelLoadError(str(exc)) from None
     return Checkpoint(path, config, reader, layer_pattern=_LAYER, spec=spec, format=fmt, layout=layout)

@@ -16,7 +16,6 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from quantkit.config import UserError
-from quantkit.formats.kv_stats import LEGACY_FILE_NAME
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +29,12 @@ class WeightsMismatch(UserError):
 class TensorReader:
     """Tensors of a checkpoint directory by name, read from whichever file holds them."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, skip: tuple[str, ...] = ()) -> None:
+        """`skip`: names of .safetensors files in `path` that hold no weights."""
         self.path = Path(path)
         self.file_of: dict[str, Path] = {}
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}
-        # Not the KV statistics that checkpoints written before quantkit/ existed keep at the root.
-        files = sorted(f for f in self.path.glob("*.safetensors") if f.name != LEGACY_FILE_NAME)
+        files = sorted(f for f in self.path.glob("*.safetensors") if f.name not in skip)
         if files:
             from safetensors import SafetensorError, safe_open
 
