@@ -219,7 +219,7 @@ def load_decoder(path: str | Path, device: Optional[str | torch.device] = None,
     "float16", "bfloat16" or "auto") is resolved by `resolve_dtype`, None as auto."""
     from quantkit.config import check_device
     from quantkit.engine.kv_scales import set_key_centers
-    from quantkit.models.loading import _load_tokenizer, read_config_json
+    from quantkit.models.loading import load_tokenizer, read_config_json
 
     check_device(None if device is None else str(device))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -232,5 +232,5 @@ def load_decoder(path: str | Path, device: Optional[str | torch.device] = None,
     model.model.rotary_emb.to(device)
     set_key_centers(model, ckpt.directory)  # what KV4 pools subtract from keys, from the checkpoint's KV statistics
     model.eval().requires_grad_(False)
-    tokenizer = _load_tokenizer(ckpt.directory, spec=ckpt.spec)
+    tokenizer = load_tokenizer(ckpt.directory, spec=ckpt.spec)
     return model, tokenizer, weights.generation_config(ckpt)

@@ -22,7 +22,7 @@ from quantkit.kernels.triton_splitk import launch_buffers, store_tile
 
 
 @triton.jit
-def _dequant_values(q, zb, s, HALF: tl.constexpr, dtype: tl.constexpr):
+def dequant_values(q, zb, s, HALF: tl.constexpr, dtype: tl.constexpr):
     """Integers q (already masked) as W values in `dtype`; zb = bias + z and s broadcast to q."""
     if HALF:
         return ((q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zb) * s
@@ -32,12 +32,12 @@ def _dequant_values(q, zb, s, HALF: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _dequant_plane(wt, j, zb, s, BITS: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
     """Plane j of a word tile as W values in `dtype` (zb = bias + z and s broadcast to wt's shape)."""
-    return _dequant_values((wt >> (BITS * j)) & ((1 << BITS) - 1), zb, s, HALF, dtype)
+    return dequant_values((wt >> (BITS * j)) & ((1 << BITS) - 1), zb, s, HALF, dtype)
 
 
 @triton.jit
-def _zero_bias_scale(s, z, HALF: tl.constexpr):
-    """(bias + z, s) for `_dequant_values`: fp16 (1024 + z, s) or fp32 (2^23 + z, s as fp32)."""
+def zero_bias_scale(s, z, HALF: tl.constexpr):
+    """(bias + z, s) for `dequant_values`: fp16 (1024 + z, s) or fp32 (2^23 + z, s as fp32)."""
     if HALF:
         zb = (z + 1024).to(tl.float16)
     else:
@@ -54,7 +54,7 @@ def _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size: tl.constexpr, 
     sz = offs_n[:, None] * G + tl.minimum(blk * PER_WORD // group_size, G - 1)[None, :]
     s = tl.load(s_ptr + sz, mask=n_ok[:, None], other=0.0)
     z = tl.load(z_ptr + sz, mask=n_ok[:, None], other=0).to(tl.int32)
-    return _zero_bias_scale(s, z, HALF)
+    return zero_bias_scale(s, z, HALF)
 
 
 @triton.jit
@@ -156,7 +156,7 @@ def dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, K8, G, group_size: tl.con
     wt = tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * K8 + words, mask=ok, other=0)
     q = (wt >> (BITS * (c // 4))[None, None, :]) & ((1 << BITS) - 1)
     zb, s = _block_scales(s_ptr, z_ptr, offs_n, n_ok, blk, G, group_size, PER_WORD, HALF)
-    w = _dequant_values(q, zb[:, :, None], s[:, :, None], HALF, dtype)
+    w = dequant_values(q, zb[:, :, None], s[:, :, None], HALF, dtype)
     offs_k = blk[:, None] * PER_WORD + c[None, :]
     rows = out_ptr + offs_n.to(tl.int64)[:, None, None] * K
     tl.store(rows + offs_k[None, :, :], w, mask=ok & (offs_k < K)[None, :, :])

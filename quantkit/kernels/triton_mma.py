@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import KeptKernel, compiled_form, hooks_set, run_compiled
-from quantkit.kernels.triton_gemm import _dequant_values, _zero_bias_scale
+from quantkit.kernels.triton_gemm import dequant_values, zero_bias_scale
 from quantkit.kernels.triton_layout import KernelWeights, PackedWeights, by_rows, unpack_block_planar
 from quantkit.kernels.triton_splitk import clamp_split, counters, store_points, workspace
 
@@ -539,9 +539,9 @@ def dequant_mma_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, G, group_size: tl
     q = (wt[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [R, words, values]
     q = tl.reshape(tl.permute(tl.reshape(q, [R, 4, 4, 8]), (0, 2, 1, 3)), [R, 128])  # [t, c] → [c, t]
     gi = tl.minimum(tile * 128 // group_size, G - 1)
-    zb, s = _zero_bias_scale(tl.load(s_ptr + n * G + gi, mask=ok, other=0.0),
+    zb, s = zero_bias_scale(tl.load(s_ptr + n * G + gi, mask=ok, other=0.0),
                              tl.load(z_ptr + n * G + gi, mask=ok, other=0).to(tl.int32), HALF)
-    w = _dequant_values(q, zb[:, None], s[:, None], HALF, dtype)
+    w = dequant_values(q, zb[:, None], s[:, None], HALF, dtype)
     offs_k = (tile * 128)[:, None] + tl.arange(0, 128)[None, :]
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + offs_k, w, mask=ok[:, None] & (offs_k < K))
 

@@ -84,7 +84,9 @@ def _gguf_dequantized() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def _load_tokenizer(path: Path, gguf_file: Optional[str] = None, spec: Optional[ArchSpec] = None):
+def load_tokenizer(path: Path, gguf_file: Optional[str] = None, spec: Optional[ArchSpec] = None):
+    """The tokenizer of a model directory (or of a .gguf file in it): the family's own converter where its
+    tokenizer is remote code, else transformers' AutoTokenizer."""
     from transformers import AutoTokenizer
 
     conversion = spec.conversion if spec is not None else None
@@ -150,7 +152,7 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
             del model.config.quantization_config
         model.hf_quantizer = None
         spec = spec_for_config(model.config)
-        tok = _load_tokenizer(path.parent, gguf_file=path.name)
+        tok = load_tokenizer(path.parent, gguf_file=path.name)
         return LoadedModel(model.eval(), tok, spec, str(path), blocks=lazy.BlockWeights(drop=True) if lazy_blocks else None)
     cfg = read_config_json(path)
     if cfg.get("quantization_config"):
@@ -170,4 +172,4 @@ def load_fp_model(model_path: str | os.PathLike, dtype: torch.dtype = torch.floa
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load {path}: {exc}".splitlines()[0]) from None
-    return LoadedModel(model.eval(), _load_tokenizer(path, spec=spec), spec, str(path), tok_files, blocks)
+    return LoadedModel(model.eval(), load_tokenizer(path, spec=spec), spec, str(path), tok_files, blocks)

@@ -68,7 +68,7 @@ def tiktoken_to_fast(
     from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from quantkit.models.tokenizer_convert import _portable_fast_class
+    from quantkit.models.tokenizer_convert import portable_fast_class
 
     ranks = read_tiktoken_ranks(path)
 
@@ -87,4 +87,4 @@ def tiktoken_to_fast(
             raise UserError(f"{path}: special token {t!r} would not get id {len(ranks) + i}; is it in the ranks?")
     kwargs = dict(tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token, chat_template=chat_template,
                   model_max_length=model_max_length, clean_up_tokenization_spaces=False)
-    return _portable_fast_class()(**{k: v for k, v in kwargs.items() if v is not None})
+    return portable_fast_class()(**{k: v for k, v in kwargs.items() if v is not None})

@@ -174,11 +174,11 @@ def sentencepiece_to_fast(model_file: str | Path, tokenizer_config: dict[str, An
     )
     if cfg.get("chat_template"):
         kwargs["chat_template"] = cfg["chat_template"]
-    return _portable_fast_class()(**{k: v for k, v in kwargs.items() if v is not None})
+    return portable_fast_class()(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 @functools.cache
-def _portable_fast_class():
+def portable_fast_class():
     from transformers import PreTrainedTokenizerFast
 
     # transformers 5 saves its generic fast tokenizer as "TokenizersBackend", a class name that
@@ -189,7 +189,7 @@ def _portable_fast_class():
 def __getattr__(name: str):
     # The class is made on first use (transformers is imported lazily); pickle finds it here by name.
     if name == "PreTrainedTokenizerFast":
-        return _portable_fast_class()
+        return portable_fast_class()
     raise AttributeError(name)
 
 

@@ -77,11 +77,6 @@ class EngineInfo:
     block_size: int
     has_vision: bool = False   # takes image parts (a LLaVA checkpoint)
 
-    @property
-    def max_len(self) -> int:
-        """The old name of `max_model_len`, kept for code that reads it."""
-        return self.max_model_len
-
     @classmethod
     def of(cls, engine: Any) -> "EngineInfo":
         return cls(engine.tokenizer, engine.generation_config, engine.scheduler.max_model_len,

@@ -43,7 +43,7 @@ def check_model_arg(model: str) -> Optional[tuple[str, str]]:
     return spec
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """The byte-level BPE alphabet: each byte as one printable character (printable ASCII and Latin-1
     map to themselves, the rest to characters from U+0100 on), as byte-level decoders expect."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -67,7 +67,7 @@ def byte_tokenizer(vocab_size: int):
     if vocab_size < len(SPECIALS) + 256:
         raise UserError(f"a vocabulary of {vocab_size} ids cannot hold the byte tokenizer (259 ids)")
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for b, ch in _bytes_to_unicode().items():
+    for b, ch in bytes_to_unicode().items():
         vocab[ch] = len(SPECIALS) + b
     for i in range(len(vocab), vocab_size):
         vocab[f"\u0120w{i}"] = i            # U+0120 is the byte-level alphabet's space

@@ -14,10 +14,10 @@ import json
 import re
 from typing import Any, Callable, NamedTuple, Optional
 
-from quantkit.server.model_source import _bytes_to_unicode
+from quantkit.server.model_source import bytes_to_unicode
 
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-BYTE_LEVEL_ALPHABET = {ch: b for b, ch in _bytes_to_unicode().items()}
+BYTE_LEVEL_ALPHABET = {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 class TokenSpelling(NamedTuple):
