@@ -166,3 +166,20 @@ def test_imports_go_down_the_layers():
     new = [f"{src} → {dst} (line {graph[src][dst]})" for src, dst in bad if (src, dst) not in KNOWN_EXCEPTIONS]
     assert not new, "imports against the layers of DESIGN.md:\n" + "\n".join(new)
     assert not KNOWN_EXCEPTIONS - set(bad), f"fixed, drop from KNOWN_EXCEPTIONS: {KNOWN_EXCEPTIONS - set(bad)}"
+
+
+def private_imports() -> list[str]:
+    """`from quantkit.x import _name` in a module other than x: a private name used as if it were API."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quantkit") and node.module != name:
+                found += [f"{name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = private_imports()
+    assert not found, "make the name public where it is shared, or move it:\n" + "\n".join(found)
