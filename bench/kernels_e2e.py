@@ -37,10 +37,10 @@ def build_checkpoint(work: Path, layers: int):
     from quantkit.config import QuantizeConfig, WeightQuantConfig
     from quantkit.models.loading import LoadedModel
     from quantkit.models.registry import spec_for_config
-    from quantkit.quantize.export import checkpoint_tensors, write_export
+    from quantkit.quantize.export import write_export
     from bench.lib.common import use_test_helpers
     use_test_helpers()
-    from quantkit_testing.in_memory import rtn_quantize
+    from quantkit_testing.in_memory import checkpoint_tensors, rtn_quantize
     from quantkit_testing.tiny import make_tokenizer
 
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,

@@ -36,7 +36,7 @@ from quantkit.quantize.calibration import InputStats, call_layer, call_module, c
 from quantkit.quantize.finalize import finalize_block
 from quantkit.quantize.folding import fold_scales, head_tying, identity, output_channels
 from quantkit.quantize.learned import learn_block, learn_progress, start_config
-from quantkit.quantize.rtn import QuantizedBlock, check_group_size, decoder_layers
+from quantkit.quantize.rtn import QuantizedBlock, decoder_layers
 from quantkit.quantize.search import candidate_scales, search_scales, weight_magnitude
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,6 @@ def awq_blocks(
     only then is it propagated and released. Settings, losses, ratios, fallbacks and per-phase
     times go into `report["awq"]`.
     """
-    check_group_size(model, spec, config.weight)
     blocks = blocks or BlockWeights()
     run = _Pass.begin(spec, config, windows, report)
     device = run.device

@@ -70,14 +70,6 @@ def block_tensors(layer: torch.nn.Module, prefix: str, qweights: dict[str, Quant
     return out
 
 
-def checkpoint_tensors(model: torch.nn.Module, qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
-    """A whole in-memory model's fp16 tensors with each quantized linear's weight replaced by its packed tensors."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    replaced = {f"{name}.weight" for name in qweights} | ({"lm_head.weight"} if tied else set())
-    out = {key: _fp16(t) for key, t in model.state_dict().items() if key not in replaced}
-    return out | packed_tensors(qweights, config)
-
-
 def export_config(loaded: LoadedModel, config: QuantizeConfig, kv_cache_scheme: bool = False) -> dict[str, Any]:
     """config.json of the export: the model's, in the exported architecture, with quantization_config
     (holding a compressed-tensors `kv_cache_scheme` when `kv_cache_scheme`, see `vllm_kv_scales`)."""

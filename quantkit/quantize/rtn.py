@@ -68,8 +68,8 @@ def rtn_blocks(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig, d
     Each block is moved to `device` in `dtype`, its linears quantized (the same arithmetic as
     `quantize_block_linears`: float32 from the stored weights) and given their dequantized weights,
     so a forward of the yielded block computes what the checkpoint holds; once the caller asks for
-    the next block, this one is released by `blocks` (default: back to the host)."""
-    check_group_size(model, spec, cfg)
+    the next block, this one is released by `blocks` (default: back to the host). The group size was
+    checked against every layer before (quantize.api)."""
     blocks = blocks or BlockWeights()
     layers = decoder_layers(model, spec)
     for i, layer in enumerate(tqdm(layers, desc=f"RTN W{cfg.bits}", disable=not progress, unit="block")):

@@ -14,9 +14,8 @@ from quantkit.formats.checkpoint import read_safetensors
 from quantkit.formats.kv_stats import read_kv_stats
 from quantkit.models import lazy
 from quantkit.models.loading import load_fp_model
-from quantkit.quantize.export import checkpoint_tensors
 from quantkit.quantize.kv_stats import collect_kv_stats
-from quantkit_testing.in_memory import awq_quantize, rtn_quantize
+from quantkit_testing.in_memory import awq_quantize, checkpoint_tensors, rtn_quantize
 
 AWQ_FAST = {"awq.n_grid": 4, "awq.search_tokens": 64, "calib.batch_size": 4, "weight.group_size": 32,
             "calib.samples": 8, "calib.seqlen": 32}

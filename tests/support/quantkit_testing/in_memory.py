@@ -10,9 +10,9 @@ import torch
 from quantkit.config import QuantizeConfig, WeightQuantConfig
 from quantkit.models.registry import ArchSpec
 from quantkit.quantize.awq import awq_blocks
-from quantkit.quantize.calibration import decoder_layers
+from quantkit.quantize.export import packed_tensors
 from quantkit.quantize.primitives import QuantizedWeight
-from quantkit.quantize.rtn import check_group_size, quantize_block_linears
+from quantkit.quantize.rtn import check_group_size, decoder_layers, quantize_block_linears
 
 
 def awq_quantize(model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, windows: torch.Tensor,
@@ -33,3 +33,13 @@ def rtn_quantize(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig)
     for i, layer in enumerate(decoder_layers(model, spec)):
         out.update(quantize_block_linears(layer, spec, f"{spec.layers_path}.{i}", cfg))
     return out
+
+
+def checkpoint_tensors(model: torch.nn.Module, qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict:
+    """A whole in-memory model's fp16 tensors with each quantized linear's weight replaced by its packed tensors
+    (what the streaming export writes block by block)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    replaced = {f"{name}.weight" for name in qweights} | ({"lm_head.weight"} if tied else set())
+    out = {key: t.detach().to(torch.float16).contiguous() if t.is_floating_point() else t.detach().contiguous()
+           for key, t in model.state_dict().items() if key not in replaced}
+    return out | packed_tensors(qweights, config)
