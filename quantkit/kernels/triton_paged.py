@@ -32,7 +32,7 @@ from torch import Tensor
 
 from quantkit.kernels import triton_paged_rows as rows
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged_common import halves, load_raw, partition_share, pool_row, store_decode
+from quantkit.kernels.triton_paged_common import decode_program, halves, load_raw, pool_row, store_decode
 
 LOG2E = 1.4426950408889634
 MIN_SCALE = 2.0**-14
@@ -224,18 +224,8 @@ def decode_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr,
                   stride_qb, stride_qh, stride_bt,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    part = tl.program_id(2)
-    start, end = partition_share(ctx_ptr, b, part, partitions, BLOCK_N)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    gmask = offs_g < GROUP
-    head = kvh * GROUP + offs_g
-    offs_i = tl.arange(0, BLOCK_HALF)
-    imask = offs_i < HALF
-    ca, cb = halves(offs_i, HALF, BITS)
-    qmask = gmask[:, None] & imask[None, :]
+    b, kvh, part, start, end, head, gmask, offs_i, imask, ca, cb, qmask = decode_program(
+        ctx_ptr, partitions, GROUP, BLOCK_G, HALF, BLOCK_HALF, BLOCK_N, BITS)
     q_row = q_ptr + b * stride_qb + head[:, None] * stride_qh
     q_a = tl.load(q_row + ca[None, :], mask=qmask, other=0.0)
     q_b = tl.load(q_row + cb[None, :], mask=qmask, other=0.0)

@@ -46,6 +46,24 @@ def partition_share(ctx_ptr, b, part, partitions, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def decode_program(ctx_ptr, partitions, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr):
+    """Where a decode program (grid: sequence, kv head, partition) works: b, kv head, partition, its
+    [start, end) share of the context, its query heads [BLOCK_G] and their mask, the channel lanes
+    [BLOCK_HALF] and their mask, the channels of halves A and B, and the [BLOCK_G, BLOCK_HALF] q mask."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    start, end = partition_share(ctx_ptr, b, part, partitions, BLOCK_N)
+    offs_g = tl.arange(0, BLOCK_G)
+    gmask = offs_g < GROUP
+    offs_i = tl.arange(0, BLOCK_HALF)
+    imask = offs_i < HALF
+    ca, cb = halves(offs_i, HALF, BITS)
+    return b, kvh, part, start, end, kvh * GROUP + offs_g, gmask, offs_i, imask, ca, cb, gmask[:, None] & imask[None, :]
+
+
+@triton.jit
 def store_decode(acc_a, acc_b, m_i, l_i, out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, b, head, part, heads,
                  partitions, ca, cb, qmask, gmask, HALF: tl.constexpr, SPLIT: tl.constexpr):
     """A decode program's result for its query heads [BLOCK_G]: normalised into `out` (the query's dtype),

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from quantkit.kernels.launch import KeptKernel
-from quantkit.kernels.triton_paged_common import halves, load_raw, partition_share, pool_row, store_decode
+from quantkit.kernels.triton_paged_common import decode_program, load_raw, pool_row, store_decode
 
 # groups up to this size go to this kernel when `paged_decode_attention` is asked for "rows"
 MAX_GROUP = 4
@@ -99,18 +99,8 @@ def decode_rows_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr):
     """decode_kernel's parameters and results; one program per (sequence, kv head, partition)."""
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    part = tl.program_id(2)
-    start, end = partition_share(ctx_ptr, b, part, partitions, BLOCK_N)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    gmask = offs_g < GROUP
-    head = kvh * GROUP + offs_g
-    offs_i = tl.arange(0, BLOCK_HALF)
-    imask = offs_i < HALF
-    ca, cb = halves(offs_i, HALF, BITS)
-    qmask = gmask[:, None] & imask[None, :]
+    b, kvh, part, start, end, head, gmask, offs_i, imask, ca, cb, qmask = decode_program(
+        ctx_ptr, partitions, GROUP, BLOCK_G, HALF, BLOCK_HALF, BLOCK_N, BITS)
     bt_row = bt_ptr + b * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
