@@ -20,8 +20,6 @@ import aiohttp
 from quantkit.server.bench_dataset import Prompt
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-# Fields of vLLM, lmdeploy and quantkit that make the server generate exactly max_tokens tokens.
-EXTENSIONS = ("ignore_eos", "min_tokens")
 
 
 @dataclass
