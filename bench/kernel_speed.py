@@ -21,6 +21,7 @@ if not __package__:  # run as a file: import from the repository root as bench.â
     _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from bench.lib.kernel_candidates import SHAPES, random_kw, tune
 from bench.lib.kernel_timing import copy_bandwidth, graph_us, plain_us, ring_size
 from quantkit.kernels import dispatch, triton_mma
+from quantkit.kernels.settings import KernelSettings
 from quantkit.kernels.triton_mma import MmaWeights
 
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
@@ -47,6 +49,7 @@ def runtime_layout(kw):
 
 
 BLOCK_PLANAR = False
+KERNELS = KernelSettings.from_env()  # --table / --tune replace the dispatch table's rows here
 
 
 def int4_ring(k: int, n: int):
@@ -79,7 +82,7 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
         kws += [runtime_layout(random_kw(k, n, bits, gs)) for _ in range(ring_size(kws[0].nbytes) - 1)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            choice = dispatch.choice_for(kws[0], m, x.device, graphed=True)
+            choice = dispatch.choice_for(kws[0], m, x.device, graphed=True, kernels=KERNELS)
             named = (("w", "num_warps"), ("t", "tiles"), ("b", "bm"), ("s", "stages"), ("r", "rows"),
                      ("split", "split"))
             params = "".join(f" {a}{choice.params[key]}" for a, key in named if choice.params.get(key))
@@ -90,7 +93,8 @@ def bench_shape(shape: str, copy_tbps: float, results: list, w4_ms=MS, w8_ms=W8_
             if bits == 4 and i4 is not None:
                 xb = x.bfloat16()
                 row["int4"] = measure(lambda p: torch._weight_int4pack_mm(xb, p[0], 128, p[1]), i4, i4_bytes, m, k, n)
-            pdl_choice = dispatch.mma_choice(bits, m, n, pdl=True) if isinstance(kws[0], MmaWeights) else choice
+            pdl_choice = (dispatch.mma_choice(bits, m, n, pdl=True, table=KERNELS.dispatch_rows())
+                          if isinstance(kws[0], MmaWeights) else choice)
             if choice.method == "mma" and pdl_choice.params.get("pdl") and not choice.params.get("pdl"):
                 # the opt-in (QUANTKIT_PDL=1): programmatic dependent launch, back to back
                 row["ours_pdl"] = measure(lambda kw: dispatch.run(x, kw, None, pdl_choice), kws, kws[0].nbytes, m, k, n)
@@ -124,7 +128,7 @@ def precompile(ms, w8_ms, workers: int = 15) -> None:
     for k, n in SHAPES.values():
         for bits, bm in ((4, ms), (8, w8_ms)):
             for m in bm:
-                c = dispatch.mma_choice(bits, m, n, sms, pdl=True)
+                c = dispatch.mma_choice(bits, m, n, sms, pdl=True, table=KERNELS.dispatch_rows())
                 if c.method == "mma":
                     for p in (c.params, {**c.params, "pdl": False}):
                         jobs[repr((bits, k, m, p))] = (bits, k, m, p)
@@ -197,7 +201,7 @@ def main() -> None:
     ap.add_argument("--block-planar", action="store_true",
                     help="time the block-planar kernels (the dispatch table) instead of the mma layout")
     args = ap.parse_args()
-    global BLOCK_PLANAR
+    global BLOCK_PLANAR, KERNELS
     BLOCK_PLANAR = args.block_planar
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,11 +211,11 @@ def main() -> None:
     copy_tbps = copy_bandwidth()
     print(f"copy bandwidth {copy_tbps:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)
     if args.table:
-        dispatch.use_table(json.loads(Path(args.table).read_text()))
+        KERNELS = dataclasses.replace(KERNELS, table=str(Path(args.table).resolve()))
     if args.tune:
         table = tune(ms, w8_ms, out / "tune.jsonl")
         (out / "table.json").write_text(json.dumps(table, indent=1))
-        dispatch.use_table(table)
+        KERNELS = dataclasses.replace(KERNELS, table=str((out / "table.json").resolve()))
         print(f"tuned in {time.time() - t0:.0f} s", flush=True)
     precompile(ms, w8_ms)
     results: list = []

@@ -4,7 +4,7 @@ Builds the model on the GPU from a config (hidden 4096, MLP 11008, 32 heads, voc
 number of decoder layers is a flag, 2 by default, since every layer has the same shapes), quantizes it
 with quantkit's RTN primitives on the GPU, writes the AWQ-format checkpoint with quantkit's exporter,
 loads it with quantkit.load on CUDA and compares the logits of the Triton path with the torch
-reference path (QUANTKIT_KERNEL=reference), for a one-token and a multi-token input. Then times one
+reference path (KernelSettings(path="reference")), for a one-token and a multi-token input. Then times one
 decoder block at batch 1, one token, W4 (Triton) against the same block in fp16, by CUDA-graph replay; and
 a 64-token block forward replayed from a CUDA graph (the Gluon GEMM on Hopper; the eager forward takes the
 GEMV at 64 tokens, `dispatch.EAGER_GEMV_MAX_M`) against the same forward on the reference path.
@@ -20,7 +20,6 @@ if not __package__:  # run as a file: import from the repository root as bench.â
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 
 from bench.lib.kernel_timing import graph_us, plain_us, rel_err
 from quantkit.kernels.capture import graph_warmup
+from quantkit.kernels.settings import KernelSettings
 
 
 def build_checkpoint(work: Path, layers: int):
@@ -61,8 +61,16 @@ def build_checkpoint(work: Path, layers: int):
     return model.cuda(), work
 
 
+def use_path(model, path: str) -> None:
+    """Every quantized linear of `model` on the Triton kernels ("triton") or the torch reference."""
+    kernels = KernelSettings(path=path)
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels
+
+
 def logits(model, ids: torch.Tensor, kernel: str) -> torch.Tensor:
-    os.environ["QUANTKIT_KERNEL"] = kernel
+    use_path(model, kernel)
     with torch.no_grad():
         return model(ids).logits.float()
 
@@ -117,9 +125,9 @@ def main() -> None:
     def first(out):  # decoder layers return a tuple or a tensor, by transformers version
         return out[0] if isinstance(out, tuple) else out
 
-    os.environ["QUANTKIT_KERNEL"] = "reference"
+    use_path(qmodel, "reference")
     eager = first(call()).float()
-    os.environ["QUANTKIT_KERNEL"] = "triton"
+    use_path(qmodel, "triton")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), graph_warmup():  # the kernels the capture will launch, compiled first

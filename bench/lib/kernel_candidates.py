@@ -62,7 +62,7 @@ def candidates(bits: int, m: int) -> list[dispatch.Choice]:
 
 def tune(ms, w8_ms, log_path: Path) -> dict:
     """Time the candidates; return the dispatch table's block-planar rows ("w{bits} block-planar" → [(largest M,
-    choice as a dict)]), the format dispatch.use_table takes."""
+    choice as a dict)]), the format dispatch_table.replaced_rows takes."""
     log = open(log_path, "w")
     table: dict = {}
     for bits, bit_ms in ((4, ms), (8, w8_ms)):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from quantkit.config import ConfigError, check_kv_bits
+from quantkit.kernels.settings import KernelSettings
 
 KV_ROTATIONS = ("auto", "hadamard", "none")  # --kv-rotation; kernels/kv_rotation.py resolves auto per pool
 DTYPES = ("auto", "float16", "bfloat16")  # --dtype; auto is resolved per checkpoint (engine/model.py resolve_dtype)
@@ -48,6 +49,9 @@ class EngineConfig:
     # kv_bits 4 with online scales, which keeps int4 keys' outlier channels from costing quality; none
     # otherwise), "hadamard", or "none" (lmdeploy's plain per-token codes).
     kv_rotation: str = "auto"
+    # Which kernels the engine's layers and KV pool run (kernels/settings.py); by default what the
+    # QUANTKIT_KERNEL / _DECODE_KERNEL / _GLUON / _PDL / _DISPATCH_TABLE variables ask for, read here once.
+    kernels: KernelSettings = field(default_factory=KernelSettings.from_env)
 
     def __post_init__(self) -> None:
         check_kv_bits(self.kv_bits)

@@ -21,13 +21,24 @@ from torch import nn
 
 from quantkit.config import UserError
 from quantkit.kernels import fused
+from quantkit.kernels.settings import AUTO, KernelSettings
 
 # RoPE variants whose frequencies depend on the position only (one table serves every sequence).
 _TABLE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def use_kernels(model: nn.Module, kernels: KernelSettings) -> None:
+    """Hand `kernels` to every module of `model` that launches kernels (those with a `kernels` attribute:
+    the norms, activations and rotary here, and each QuantLinear)."""
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) · w (fp32 inside); with `residual`, adds it first and returns (y, x + residual)."""
+
+    kernels: KernelSettings = AUTO
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -35,12 +46,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return fused.rms_norm(x, self.weight, self.eps, residual)
+        return fused.rms_norm(x, self.weight, self.eps, residual, self.kernels)
 
 
 class SiluAndMul(nn.Module):
+    kernels: KernelSettings = AUTO
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return fused.silu_mul(gate_up)
+        return fused.silu_mul(gate_up, self.kernels)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -82,6 +95,8 @@ class RotaryEmbedding(nn.Module):
 
     `rows(positions, seq_lens)` gives, once per forward, the table and the row of each token (and, with
     logn attention, each token's query factor) that every layer's `forward` then reads."""
+
+    kernels: KernelSettings = AUTO
 
     def __init__(self, config: Any, max_positions: int, interleaved: bool = False) -> None:
         super().__init__()
@@ -125,6 +140,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> None:
         """q [T, heads, D], k [T, kv_heads, D]; `rows` from `rows()`."""
         table, index = rows[0], rows[1]
-        fused.apply_rope_(q, k, index, table, self.rotary_dim, self.interleaved)
+        fused.apply_rope_(q, k, index, table, self.rotary_dim, self.interleaved, self.kernels)
         if len(rows) > 2:
             q.mul_(rows[2].to(q.dtype)[:, None, None])

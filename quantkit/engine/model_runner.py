@@ -22,6 +22,7 @@ from quantkit.config import ConfigError, UserError
 from quantkit.engine import piecewise
 from quantkit.engine.attention import AttnMetadata
 from quantkit.engine.kv_scales import pool_static_scales
+from quantkit.engine.layers import use_kernels
 from quantkit.engine.multimodal import step_embeds
 from quantkit.kernels.capture import graph_warmup
 from quantkit.kernels.paged_kv import PagedKV
@@ -72,6 +73,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, config) -> None:
         self.model, self.config = model, config
+        use_kernels(model, config.kernels)
         self.device, self.dtype = model.device, model.dtype
         self.block_size = config.block_size
         self.num_layers, self.kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
@@ -107,7 +109,7 @@ class ModelRunner:
         static = pool_static_scales(self.config, self.num_layers, self.kv_heads, self.head_dim)
         caches = [PagedKV.allocate(num_blocks, self.block_size, self.kv_heads, self.head_dim, self.config.kv_bits,
                                    self.dtype, self.device, static=static[i] if static else None,
-                                   rotation=self.config.kv_rotation)
+                                   rotation=self.config.kv_rotation, kernels=self.config.kernels)
                   for i in range(self.num_layers)]
         self.model.set_kv_caches(caches)
         self.kv_caches = caches

@@ -8,36 +8,31 @@ split-K GEMV and GEMM of triton_gemv / triton_gemm, dequantize + cuBLAS; also un
 interpreter, which cannot run the mma kernels' inline PTX).
 
 The rule (`choose`): among the rows of the layer's class, the first whose M bound is ≥ M, skipping
-Gluon rows where the GEMM may not run: not on this GPU or dtype, QUANTKIT_GLUON=0, or an eager call
-with M ≤ EAGER_GEMV_MAX_M (`choice_for`). QUANTKIT_DISPATCH_TABLE=path.json replaces the rows of the
-classes it names (the format `use_table` takes; `bench/kernel_speed.py --tune` writes one). Each layer keeps
+Gluon rows where the GEMM may not run: not on this GPU or dtype, turned off in the layer's
+KernelSettings (settings.py), or an eager call with M ≤ EAGER_GEMV_MAX_M (`choice_for`). The settings
+may replace rows of the table (`dispatch_table.replaced_rows`; `bench/kernel_speed.py --tune` writes
+them). Each layer keeps
 its GEMV launches per M and dtype (`gemv_launch`), which skip Triton's argument binding after the first.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import torch
 import triton
 
-from quantkit.config import UserError
 from quantkit.kernels import gluon_gemm, triton_gemm, triton_gemv, triton_mma
 from quantkit.kernels.capture import capturing
 from quantkit.kernels.dispatch_table import TABLE, Choice
+from quantkit.kernels.settings import AUTO, KernelSettings
 from quantkit.kernels.hardware import mma_capable
 from quantkit.kernels.launch import interpreted
 from quantkit.kernels.triton_layout import KernelWeights, from_module
 from quantkit.kernels.triton_mma import MmaWeights
 
-# Up to this M an eager call takes the mma GEMV even where the Gluon GEMM is faster on the GPU: the Gluon
-# call costs 74–94 µs of host time (two launches, a TMA descriptor) for 12–33 µs of GPU time, so eager calls
-# back to back measured 81–94 µs against the GEMV's 16–78 (bench/probes/launch_overhead.py --gluon;
-# bench/KERNELS_NOTES.md has the measurements). From a CUDA graph, and above this M either way, the GEMM is faster.
+# Up to this M an eager call takes the mma GEMV even where the Gluon GEMM is faster on the GPU: an eager Gluon
+# call costs more host time (two launches, a TMA descriptor) than its GPU time, so back to back the GEMV
+# is faster (bench/KERNELS_NOTES.md). From a CUDA graph, and above this M either way, the GEMM is faster.
 EAGER_GEMV_MAX_M = 64
-_METHODS = {"block-planar": {"gemv", "gemm", "dequant+cublas"}, "mma": {"mma", "gluon", "dequant+cublas"}}
 
 
 def width_class(n: int, k: int, sms: int) -> str:
@@ -49,60 +44,21 @@ def width_class(n: int, k: int, sms: int) -> str:
     return "mid" if rows <= 6 * sms else "wide"
 
 
-def choose(bits: int, m: int, cls: str = "block-planar", gluon: bool = False) -> Choice:
+def choose(bits: int, m: int, cls: str = "block-planar", gluon: bool = False, table: dict = TABLE) -> Choice:
     """The table's kernel for M rows of x on a `bits`-bit layer of class `cls`: the first row whose M bound
     is ≥ M, Gluon rows only with `gluon`; the last row takes any larger M."""
-    _table_from_env()
-    rows = TABLE[f"w{bits} {cls}"]
+    rows = table[f"w{bits} {cls}"]
     for bound, choice in rows:
         if m <= bound and (gluon or choice.method != "gluon"):
             return choice
     return rows[-1][1]
 
 
-def use_table(table: dict, source: str = "the dispatch table") -> None:
-    """Replace the rows of the classes `table` names, e.g. with those bench/kernel_speed.py --tune measured on
-    another GPU: {"w4 block-planar": [[largest M, {"method", "params", "programs"}], ...], ...}."""
-    new = {}
-    for key, rows in table.items():
-        if key not in TABLE:
-            raise UserError(f"{source}: unknown class {key!r}; use one of {', '.join(TABLE)}.")
-        try:
-            new[key] = [(int(b), c if isinstance(c, Choice) else Choice(**c)) for b, c in rows]
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{source}: {key!r} must hold rows [largest M, {{\"method\", \"params\", "
-                            f"\"programs\"}}] ({e}).") from None
-        bounds, methods = [b for b, _ in new[key]], {c.method for _, c in new[key]}
-        allowed = _METHODS["block-planar" if key.endswith("block-planar") else "mma"]
-        if not new[key] or bounds != sorted(bounds) or new[key][-1][1].method == "gluon" or methods - allowed:
-            raise UserError(f"{source}: the rows of {key!r} must be sorted by M, use only {sorted(allowed)} "
-                            f"and end with a row that is not \"gluon\".")
-    TABLE.update(new)
-
-
-_loaded: dict[str, str] = {}
-
-
-def _table_from_env() -> None:
-    path = os.environ.get("QUANTKIT_DISPATCH_TABLE")
-    if path and path != _loaded.get("path"):
-        source = f"QUANTKIT_DISPATCH_TABLE={path}"
-        try:
-            table = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"{source}: cannot read it as JSON ({e}); point it at a table "
-                            f"bench/kernel_speed.py --tune wrote, or unset it.") from None
-        if not isinstance(table, dict):
-            raise UserError(f"{source}: expected an object of classes to rows, e.g. {{\"w4 block-planar\": [...]}}.")
-        use_table(table, source)
-        _loaded["path"] = path
-
-
 def mma_choice(bits: int, m: int, n: int, sms: int = 132, pdl: bool = True, k: int = 0,
-               gluon: bool = False) -> Choice:
+               gluon: bool = False, table: dict = TABLE) -> Choice:
     """The table's kernel for a mma-layout layer of N outputs and K inputs on a GPU with `sms` SMs; `pdl`:
     the GPU launches with programmatic dependent launch; `gluon`: the Gluon GEMM may run."""
-    c = choose(bits, m, width_class(n, k, sms), gluon)
+    c = choose(bits, m, width_class(n, k, sms), gluon, table)
     if pdl or not c.params.get("pdl"):
         return c
     return Choice(c.method, {key: v for key, v in c.params.items() if key not in ("pdl", "prefetch")}, c.programs)
@@ -114,18 +70,19 @@ def gluon_choice(m: int, n: int, k: int, sms: int = 132, bits: int = 4) -> Choic
     return c if c.method == "gluon" else None
 
 
-def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device,
-               dtype: torch.dtype = torch.float16, graphed: bool | None = None) -> Choice:
+def choice_for(kw: KernelWeights | MmaWeights, m: int, device: torch.device, dtype: torch.dtype = torch.float16,
+               graphed: bool | None = None, kernels: KernelSettings = AUTO) -> Choice:
     """The kernel for these weights and M rows of `dtype` x; graphed: whether the call will run from a
     CUDA graph (None: whether the stream is capturing now). The Gluon GEMM may run where this GPU and
-    dtype take it, unless QUANTKIT_GLUON=0, and for an eager call only above EAGER_GEMV_MAX_M."""
+    dtype take it, unless `kernels` turns it off, and for an eager call only above EAGER_GEMV_MAX_M."""
+    table = kernels.dispatch_rows()
     if not isinstance(kw, MmaWeights):
-        return choose(kw.bits, m)
+        return choose(kw.bits, m, table=table)
     if graphed is None:
         graphed = capturing(device)
-    gluon = (os.environ.get("QUANTKIT_GLUON", "1") != "0" and (graphed or m > EAGER_GEMV_MAX_M)
-             and gluon_gemm.supports(kw, dtype, device))
-    return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device), kw.in_features, gluon)
+    gluon = kernels.gluon and (graphed or m > EAGER_GEMV_MAX_M) and gluon_gemm.supports(kw, dtype, device)
+    return mma_choice(kw.bits, m, kw.out_features, _sm_count(device), _has_pdl(device, kernels), kw.in_features,
+                      gluon, table)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -134,18 +91,18 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the Triton interpreter on the CPU: keep some split-K in play so CI exercises it
 
 
-def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (sm_90+), only with QUANTKIT_PDL=1: 4–20 % faster back to back at
-    M ≤ 16, but 0.98× in the graphed decode step, where the GEMV follows kernels that never trigger
-    early (bench/KERNELS_NOTES.md)."""
-    if os.environ.get("QUANTKIT_PDL", "0") != "1" or device.type != "cuda" or torch.version.hip is not None:
+def _has_pdl(device: torch.device, kernels: KernelSettings) -> bool:
+    """Programmatic dependent launch (sm_90+), only where `kernels.pdl` asks for it: faster back to back at
+    small M, but not in the graphed decode step, where the GEMV follows kernels that never trigger early
+    (bench/KERNELS_NOTES.md)."""
+    if not kernels.pdl or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def takes_mma_layout(kw: KernelWeights, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a layer gets the mma layout: an NVIDIA GPU of compute capability 8.0 or later
-    (hardware.mma_capable; others reach this module only with QUANTKIT_KERNEL=triton), not the Triton
+    (hardware.mma_capable; others reach this module only with KernelSettings(path="triton")), not the Triton
     interpreter, and a layer and activation dtype the GEMV takes."""
     return (device.type == "cuda" and not interpreted() and mma_capable(device)
             and triton_mma.supports(kw.bits, kw.group_size, kw.in_features, kw.scales.shape[1], dtype))
@@ -181,7 +138,8 @@ def kernel_weights(layer: torch.nn.Module, device: torch.device | None = None, o
     return kw
 
 
-def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, choice: Choice) -> torch.Tensor:
+def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, choice: Choice,
+        kernels: KernelSettings = AUTO) -> torch.Tensor:
     """y [M, N] for x [M, K] with the given choice (which must suit the layout of `kw`)."""
     m, n, p = x2d.shape[0], kw.out_features, choice.params
     if choice.method == "dequant+cublas":
@@ -193,8 +151,8 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
             if y is not None:
                 return y
         # e.g. bf16 x, or a capture whose warm-up ran another kernel (the Gluon one would load a module)
-        return run(x2d, kw, bias, mma_choice(kw.bits, m, n, _sm_count(x2d.device), _has_pdl(x2d.device),
-                                             kw.in_features))
+        return run(x2d, kw, bias, mma_choice(kw.bits, m, n, _sm_count(x2d.device), _has_pdl(x2d.device, kernels),
+                                             kw.in_features, table=kernels.dispatch_rows()), kernels)
     if choice.method == "mma":
         launch = gemv_launch(kw, bias, m, x2d.dtype, x2d.device, p)
         if launch is not None:
@@ -215,8 +173,8 @@ def run(x2d: torch.Tensor, kw: KernelWeights | MmaWeights, bias: torch.Tensor | 
 
 
 def gemv_launch(kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, m: int, dtype: torch.dtype,
-                device: torch.device, params: dict | None = None,
-                graphed: bool = False) -> triton_mma.GemvLaunch | None:
+                device: torch.device, params: dict | None = None, graphed: bool = False,
+                kernels: KernelSettings = AUTO) -> triton_mma.GemvLaunch | None:
     """The layer's kept mma GEMV launch for M rows of `dtype` x with `params` (default: the dispatch's
     choice for an eager or, with `graphed`, a CUDA-graph call), made at the first call; None where the mma
     GEMV does not run it (M > 64, a dtype or layout it does not take, or another kernel is chosen). Kept
@@ -228,7 +186,7 @@ def gemv_launch(kw: KernelWeights | MmaWeights, bias: torch.Tensor | None, m: in
     launch = launches.get(key)
     if launch is None or (launch and launch.bias is not bias):
         if params is None:
-            choice = choice_for(kw, m, device, dtype, graphed)
+            choice = choice_for(kw, m, device, dtype, graphed, kernels)
             params = choice.params if choice.method == "mma" else None
         launch = False
         groups = kw.scales.shape[1]
@@ -245,9 +203,10 @@ def quant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     x2d = x.reshape(-1, shape[-1])
     # the capture state only matters where the Gluon GEMM can be chosen (M > 16); asking costs host time
     graphed = x2d.shape[0] > 16 and capturing(x.device)
-    launch = gemv_launch(kw, layer.bias, x2d.shape[0], x2d.dtype, x.device, graphed=graphed)
+    kernels = layer.kernels
+    launch = gemv_launch(kw, layer.bias, x2d.shape[0], x2d.dtype, x.device, graphed=graphed, kernels=kernels)
     if launch is not None:
         y = launch(x2d)
     else:
-        y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device, x2d.dtype, graphed))
+        y = run(x2d, kw, layer.bias, choice_for(kw, x2d.shape[0], x.device, x2d.dtype, graphed, kernels), kernels)
     return y.reshape(*shape[:-1], kw.out_features)

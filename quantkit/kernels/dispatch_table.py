@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quantkit.config import UserError
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -123,3 +125,27 @@ TABLE: dict[str, list[tuple[int, Choice]]] = {
         (1024, gluon(256, 3)),  # gate_up 90.4 (128 rows 96.2) at M = 256, 329.7 (dequantize + cuBLAS 349.0) at 1024
         (ANY, CUBLAS)],
 }
+
+
+METHODS = {"block-planar": {"gemv", "gemm", "dequant+cublas"}, "mma": {"mma", "gluon", "dequant+cublas"}}
+
+
+def replaced_rows(table: dict, rows: dict, source: str) -> dict:
+    """`table` with the classes `rows` names replaced: {"w4 block-planar": [[largest M, {"method", "params",
+    "programs"}], ...], ...}, e.g. what bench/kernel_speed.py --tune measured on another GPU. `source` names
+    where the rows came from in the error a malformed row gets."""
+    new = dict(table)
+    for key, given in rows.items():
+        if key not in table:
+            raise UserError(f"{source}: unknown class {key!r}; use one of {', '.join(table)}.")
+        try:
+            new[key] = [(int(b), c if isinstance(c, Choice) else Choice(**c)) for b, c in given]
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{source}: {key!r} must hold rows [largest M, {{\"method\", \"params\", "
+                            f"\"programs\"}}] ({e}).") from None
+        bounds, methods = [b for b, _ in new[key]], {c.method for _, c in new[key]}
+        allowed = METHODS["block-planar" if key.endswith("block-planar") else "mma"]
+        if not new[key] or bounds != sorted(bounds) or new[key][-1][1].method == "gluon" or methods - allowed:
+            raise UserError(f"{source}: the rows of {key!r} must be sorted by M, use only {sorted(allowed)} "
+                            f"and end with a row that is not \"gluon\".")
+    return new

@@ -1,7 +1,7 @@
 """The decoder's elementwise ops, fused: RMSNorm with the residual add, RoPE in place on q and k, SiLU·mul.
 
-Each runs the Triton kernel of kernels/triton_fused.py where `hardware.runs_triton` says so (an NVIDIA
-GPU of compute capability 8.0 or later, or QUANTKIT_KERNEL=triton) and the torch code here elsewhere.
+Each runs the Triton kernel of kernels/triton_fused.py where its `kernels` say so (KernelSettings.triton:
+by default an NVIDIA GPU of compute capability 8.0 or later) and the torch code here elsewhere.
 The roundings follow transformers' Llama modules, so that greedy tokens match theirs: the residual sum
 and the normalized activations are rounded to the model's dtype before the weight multiplies them.
 """
@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quantkit.kernels.hardware import runs_triton
+from quantkit.kernels.settings import AUTO, KernelSettings
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+             kernels: KernelSettings = AUTO) -> Tensor | tuple[Tensor, Tensor]:
     """norm(x) · weight over the last dim; with `residual`, h = x + residual and (norm(h) · weight, h)."""
-    if runs_triton(x.device):
+    if kernels.triton(x.device):
         from quantkit.kernels import triton_fused
 
         return triton_fused.rms_norm(x, weight, eps, residual)
@@ -29,12 +30,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 
 
 def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int,
-                interleaved: bool = False) -> None:
+                interleaved: bool = False, kernels: KernelSettings = AUTO) -> None:
     """Rotate q [T, heads, D] and k [T, kv_heads, D] in place on their first `rotary_dim` channels.
 
     cos_sin [max_pos, rotary_dim] = cat(cos, sin) of the rotary_dim / 2 frequencies. Channel pairs are
     (i, i + rotary_dim / 2) (neox halves, transformers' rotate_half) or, `interleaved`, (2i, 2i + 1)."""
-    if runs_triton(q.device):
+    if kernels.triton(q.device):
         from quantkit.kernels import triton_fused
 
         return triton_fused.apply_rope_(q, k, positions, cos_sin, rotary_dim, interleaved)
@@ -52,9 +53,9 @@ def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary
             r.copy_(torch.cat((y1, y2), dim=-1))
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
+def silu_mul(gate_up: Tensor, kernels: KernelSettings = AUTO) -> Tensor:
     """silu(gate_up[..., :I]) · gate_up[..., I:] for gate_up [..., 2I]."""
-    if runs_triton(gate_up.device):
+    if kernels.triton(gate_up.device):
         from quantkit.kernels import triton_fused
 
         return triton_fused.silu_mul(gate_up)

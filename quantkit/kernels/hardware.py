@@ -9,7 +9,6 @@ dequantizes the weight and calls the platform's matrix product. The first refusa
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -46,13 +45,3 @@ def _check(index: int) -> bool:
                     "capability 8.0 or later; using the dequantize path (torch reference)", index, why)
     return False
 
-
-def runs_triton(device: torch.device) -> bool:
-    """Whether the engine's Triton kernels (paged KV cache, fused norm/rope/silu) run for tensors on
-    `device`: QUANTKIT_KERNEL=triton|reference decides if set (with TRITON_INTERPRET=1, "triton" runs
-    them on the CPU through Triton's interpreter), else `mma_capable`. TRITON_INTERPRET alone does not
-    switch: the kernel tests set it for a whole pytest session, whose engine tests keep the reference."""
-    forced = os.environ.get("QUANTKIT_KERNEL", "").strip().lower()
-    if forced in ("reference", "triton"):
-        return forced == "triton"
-    return mma_capable(device)

@@ -8,8 +8,7 @@ q = clamp(round(x / s) + z, 0, 2^b − 1) reads back as (q − z) · s. Int4 cod
 along head_dim, the low nibble holding the even channel. Codes are [block, head, token, channel] and
 scales and zeros [block, head, token], so that the block_size tokens of one head that a kernel's tile
 reads lie side by side: a KV4 block of a 128-channel head is one 1 KB piece, not 16 pieces of 64 bytes
-a head-count of rows apart (on the H200 KV8 decode −5 %, KV4 and fp16 unchanged: BENCHMARKS.md, issue
-#27). `by_slot` gives the token-major views [block, token, head, ...] that the torch code indexes by slot.
+a head-count of rows apart. `by_slot` gives the token-major views [block, token, head, ...] that the torch code indexes by slot.
 
 The scale and zero of a token are its own row's range (online), or, when the cache holds static
 per-head scales (`PagedKV.static`, from calibration statistics), that head's fixed scale and zero:
@@ -19,9 +18,9 @@ keys centred and Hadamard-rotated (kernels/kv_rotation.py): Attention transforms
 write, and these functions see only the transformed tensors.
 
 `write_kv`, `paged_decode_attention` and `paged_prefill_attention` run the Triton kernels of
-kernels/triton_paged.py and triton_prefill.py where `hardware.runs_triton` says so (an NVIDIA GPU of
-compute capability 8.0 or later, or QUANTKIT_KERNEL=triton; with TRITON_INTERPRET=1 that runs them on
-the CPU through Triton's interpreter) and this module's torch code elsewhere: there, prefill attention
+kernels/triton_paged.py and triton_prefill.py where the pool's `kernels` say so (KernelSettings.triton: by
+default an NVIDIA GPU of compute capability 8.0 or later; path "triton" with TRITON_INTERPRET=1 runs
+them on the CPU through Triton's interpreter) and this module's torch code elsewhere: there, prefill attention
 gathers each sequence's context and calls SDPA (with a cached prefix, a bottom-right causal mask).
 """
 
@@ -36,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from quantkit.config import UserError, check_kv_bits
-from quantkit.kernels.hardware import runs_triton
 from quantkit.kernels.kv_rotation import KVRotation, pool_rotation
+from quantkit.kernels.settings import AUTO, KernelSettings
 
 # (query_start, context_lens) of a prefill step as host lists: what its per-sequence loops read
 HostLens = tuple[list[int], list[int]]
@@ -64,15 +63,16 @@ class PagedKV:
     # Keys are stored centred and rotated by a block-Hadamard matrix (kernels/kv_rotation.py), which Attention
     # applies to q and k before the write; the kernels read and write the pool unchanged. None: as they come.
     rotation: Optional[KVRotation] = None
+    kernels: KernelSettings = AUTO  # whether its readers and writers run the Triton kernels, and which decode
 
     @staticmethod
     def allocate(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, bits: int,
                  dtype: torch.dtype, device: torch.device | str,
                  static: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None,
-                 rotation: Optional[str] = None) -> "PagedKV":
+                 rotation: Optional[str] = None, kernels: KernelSettings = AUTO) -> "PagedKV":
         """A zeroed pool (zeros, so that a slot never written holds finite numbers). `static`: the
         per-head (k_scale, k_zero, v_scale, v_zero) of `static_scales` (bits 16 has none to use). `rotation`:
-        "hadamard", "none", or "auto"/None (hadamard for bits 4 with online scales)."""
+        "hadamard", "none", or "auto"/None (hadamard for bits 4 with online scales). `kernels`: see the field."""
         check_bits(bits, head_dim)
         rotate = pool_rotation(rotation, bits, static is not None, head_dim, dtype, device)
         if static is not None:
@@ -88,11 +88,11 @@ class PagedKV:
             return torch.zeros(*shape, code_dim, dtype=code_dtype, device=device)
 
         if bits == 16:
-            return PagedKV(codes(), codes(), None, None, None, None, 16, rotation=rotate)
+            return PagedKV(codes(), codes(), None, None, None, None, 16, rotation=rotate, kernels=kernels)
         per_head = (num_blocks, kv_heads, block_size)
         scale = lambda: torch.zeros(per_head, dtype=torch.float16, device=device)  # noqa: E731
         zero = lambda: torch.zeros(per_head, dtype=torch.uint8, device=device)  # noqa: E731
-        return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits, static, rotate)
+        return PagedKV(codes(), codes(), scale(), zero(), scale(), zero(), bits, static, rotate, kernels)
 
     @staticmethod
     def bytes_per_token(kv_heads: int, head_dim: int, bits: int, dtype: torch.dtype) -> int:
@@ -204,7 +204,7 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor, bits: int, dtype: tor
 def write_kv(cache: PagedKV, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Store k, v [T, kv_heads, head_dim] at slots slot_mapping [T] (int64; entries < 0 are skipped), coded
     with the cache's static per-head scales when it has them, else with each token's own range."""
-    if runs_triton(k.device):
+    if cache.kernels.triton(k.device):
         from quantkit.kernels import triton_paged
 
         return triton_paged.write_kv(cache, k, v, slot_mapping)
@@ -249,7 +249,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, cont
     """Attention of one query token per sequence, q [B, heads, head_dim], over its context_lens[b] cached
     tokens (its own K/V already written); block_tables [B, max_blocks] int32 (entries past the context
     are never read). GQA: query head h reads kv head h // (heads // kv_heads). Returns [B, heads, head_dim]."""
-    if runs_triton(q.device):
+    if cache.kernels.triton(q.device):
         from quantkit.kernels import triton_paged
 
         return triton_paged.paged_decode_attention(q, cache, block_tables, context_lens, sm_scale)
@@ -275,7 +275,7 @@ def paged_prefill_attention(q: Tensor, cache: PagedKV, block_tables: Tensor, con
     context_lens[b] cached tokens (a cached prefix, then the new ones). Gather + SDPA per sequence.
     `host`: (query_start, context_lens) as host lists when the caller has them (every layer of a step
     passes the same); None reads them from the device, a sync that drains the launch queue."""
-    if runs_triton(q.device):
+    if cache.kernels.triton(q.device):
         from quantkit.kernels import triton_prefill
 
         return triton_prefill.paged_prefill_attention(q, cache, block_tables, context_lens, query_start, sm_scale,

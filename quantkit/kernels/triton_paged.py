@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -110,7 +109,7 @@ def write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_p
 
 
 # Launched through KeptKernel (launch.py): after the first launch with a signature, the compiled kernel is
-# called directly, without Triton's front end (20–60 µs per launch on the H200's host), which matters in
+# called directly, without Triton's front end (tens of µs of host time per launch), which matters in
 # the engine's eager (prefill) steps.
 _WRITE = KeptKernel(write_kv_kernel)
 
@@ -285,16 +284,15 @@ def num_partitions(batch: int, kv_heads: int, max_tokens: int, device: torch.dev
     return max(1, min(want, math.ceil(max_tokens / block_n), MAX_PARTITIONS))
 
 
-def decode_variant(group: int, bits: int, kernel: str | None = None) -> str:
+def decode_variant(group: int, bits: int, kernel: str | None = None, preferred: str = "auto") -> str:
     """Which decode kernel runs: "dot" (decode_kernel) or "rows" (triton_paged_rows: no tl.dot, for
-    query groups of at most MAX_GROUP rows). None: QUANTKIT_DECODE_KERNEL if set ("rows" there applies
-    only where the group is small enough), else the measured rule — "rows" for MHA (one query row per kv
-    head) over int8/int4 codes, "dot" otherwise. On the H200 at Llama-2-7B b32 × 4,096, rows took 450 /
-    517 µs for KV8 / KV4 against dot's 561 / 562 and tied on fp16; at Llama-3-8B (GQA 4) it was 3× slower
-    than dot and more (BENCHMARKS.md, issue #27's section)."""
+    query groups of at most MAX_GROUP rows). `kernel` asks for one outright; else `preferred` (the pool's
+    KernelSettings.decode: "rows" there applies only where the group is small enough), and "auto" is the
+    measured rule — "rows" for MHA (one query row per kv head) over int8/int4 codes, "dot" otherwise (at
+    GQA 4 the rows kernel measured several times slower: bench/KERNELS_NOTES.md)."""
     if kernel is None:
-        kernel = os.environ.get("QUANTKIT_DECODE_KERNEL", "").strip().lower()
-        if not kernel:
+        kernel = preferred
+        if kernel == "auto":
             kernel = "rows" if group == 1 and bits != 16 else "dot"
         elif kernel == "rows" and group > rows.MAX_GROUP:
             kernel = "dot"
@@ -311,14 +309,14 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
                            kernel: str | None = None) -> Tensor:
     """Triton form of paged_kv.paged_decode_attention; `partitions` overrides `num_partitions`, and
     `block_n` (tokens per tile) and `num_warps` the variant's tile settings (dot: 64 and 4, rows:
-    triton_paged_rows.BLOCK_N and NUM_WARPS; bench/probes/paged_attention.py times the alternatives);
+    triton_paged_rows.BLOCK_N and NUM_WARPS);
     `kernel` picks the variant (`decode_variant`)."""
     batch, heads, d = q.shape
     if d % 2:
         raise ValueError(f"the paged decode kernel needs an even head_dim, not {d}")
     kv_heads = cache.kv_heads
     group = heads // kv_heads
-    kernel = decode_variant(group, cache.bits, kernel)
+    kernel = decode_variant(group, cache.bits, kernel, cache.kernels.decode)
     if kernel == "rows":
         block_n, num_warps = block_n or rows.BLOCK_N, num_warps or rows.NUM_WARPS
     block_n, num_warps = block_n or 64, num_warps or 4

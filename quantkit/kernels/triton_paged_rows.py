@@ -4,11 +4,9 @@ Why: triton_paged.decode_kernel gives each kv head's query rows to `tl.dot`, whi
 with one query row per kv head (Llama-2-7B, MHA) the tensor cores do 16× the real work and every int8/int4
 code goes through a conversion into a dot operand. Here the products run on the CUDA cores in fp32, for
 the real rows only: scores as q broadcast against the key tile and summed over channels, p·v as p
-broadcast against the value tile and summed over tokens. Measured on the H200 (Llama-2-7B, b32 × 4,096):
-KV8 450 µs and KV4 517 µs against the dot kernel's 561 / 562 (fp16: a tie at ≈ 518), so it is the
-default for MHA over codes (triton_paged.decode_variant). KV4 still takes fp16's time, over every tile,
-warp and partition count tried and after the pool's layout was made head-major (BENCHMARKS.md, issue
-#27's section): what bounds it is not traced yet.
+broadcast against the value tile and summed over tokens. For MHA over int8/int4 codes it measured faster
+than the dot kernel, so it is the default there (triton_paged.decode_variant; the figures, and KV4's
+decode taking fp16's time, are in bench/KERNELS_NOTES.md and BENCHMARKS.md).
 
 What it computes is decode_kernel's (same pool layout, halves A and B, partitions merged by
 triton_paged.merge_kernel, a grid independent of the context lengths), with the codes dequantized on
@@ -27,8 +25,8 @@ from quantkit.kernels.triton_paged_common import decode_program, load_raw, pool_
 
 # groups up to this size go to this kernel when `paged_decode_attention` is asked for "rows"
 MAX_GROUP = 4
-# Tokens per tile and warps: the fastest of 32–128 × 2–8 for Llama-2-7B at b1 and b32 × 4,096, all formats
-# (H200; bench/probes/paged_attention.py --variants --sweep). Fewer warps were faster in every case.
+# Tokens per tile and warps: the fastest of 32–128 × 2–8 for Llama-2-7B at b1 and b32 × 4,096, all formats;
+# fewer warps were faster in every case (bench/KERNELS_NOTES.md).
 BLOCK_N = 128
 NUM_WARPS = 2
 

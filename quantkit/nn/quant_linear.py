@@ -3,33 +3,26 @@
 layout "awq"    → buffers qweight, qzeros, scales (AWQ gemm, 4-bit)
 layout "packed" → buffers weight_packed, weight_scale, weight_zero_point (asymmetric only),
                   weight_shape (compressed-tensors pack-quantized, 4 or 8 bit)
-The buffer names are the checkpoint's tensor names, so a state dict loads straight into it.
+The buffer names are the checkpoint's tensor names, so a state dict loads straight into it. Its
+`kernels` (kernels.settings.KernelSettings; by default the Triton kernels where the GPU takes them) say
+whether forward runs them or the torch reference; loaders set them from their caller's settings.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
 
 from quantkit.kernels import reference
-from quantkit.kernels.hardware import mma_capable
+from quantkit.kernels.settings import AUTO, KernelSettings
 
 LAYOUTS = ("awq", "packed")
 
 
-def kernel_choice(device: torch.device) -> str:
-    """'triton' on an NVIDIA GPU of compute capability 8.0 or later (kernels.hardware), else 'reference'
-    (the dequantize path: ROCm, older GPUs, the CPU); QUANTKIT_KERNEL=reference|triton forces one."""
-    forced = os.environ.get("QUANTKIT_KERNEL", "").strip().lower()
-    if forced in ("reference", "triton"):
-        return forced
-    return "triton" if mma_capable(device) else "reference"
-
-
 class QuantLinear(nn.Module):
     """y = x Wᵀ + b with W = (q − z) · s held packed; see the module docstring for the layouts."""
+
+    kernels: KernelSettings = AUTO
 
     def __init__(
         self,
@@ -106,7 +99,7 @@ class QuantLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernel_choice(x.device) == "triton":
+        if self.kernels.triton(x.device):
             from quantkit.kernels import dispatch  # imported lazily: Triton is optional
 
             return dispatch.quant_linear(x, self)

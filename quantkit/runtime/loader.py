@@ -13,6 +13,7 @@ from quantkit.config import check_device
 from quantkit.formats.checkpoint import CheckpointError, read_safetensors
 from quantkit.formats.compressed_tensors import KV_SCALE_NAMES
 from quantkit.formats.registry import FORMATS, UnsupportedFormat, format_of
+from quantkit.kernels.settings import KernelSettings
 from quantkit.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def load(
     device: Optional[str | torch.device] = None,
     dtype: Optional[torch.dtype] = None,
     cache_dequantized: Optional[bool] = None,
+    kernels: Optional[KernelSettings] = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Load a quantkit checkpoint; returns (model, tokenizer).
 
@@ -92,7 +94,8 @@ def load(
     tensors) to float16 on CUDA and float32 on the CPU. Its KV cache is transformers' own (unquantized):
     quantized KV caches are the engine's (`quantkit.pipeline`, `EngineConfig(kv_bits=...)`).
     `cache_dequantized` (default: on the CPU) keeps each layer's dequantized weight after its first
-    use in the reference path, trading the memory saving for speed.
+    use in the reference path, trading the memory saving for speed. `kernels` (default: what the
+    QUANTKIT_* variables ask for, kernels/settings.py) say which kernels its quantized linears run.
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -127,9 +130,10 @@ def load(
         model.tie_weights()
     model.to(device).eval()
     cache = cache_dequantized if cache_dequantized is not None else device.type == "cpu"
+    kernels = kernels or KernelSettings.from_env()
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.cache_dequantized = cache
+            module.cache_dequantized, module.kernels = cache, kernels
     if (path / "generation_config.json").is_file():
         # The export's EOS list (e.g. a chat model's end-of-turn token) and sampling defaults;
         # from_config alone would leave only the config's single eos_token_id.

@@ -1,5 +1,5 @@
 """End to end on the GPU: checkpoints quantkit wrote, loaded with quantkit.load on CUDA; the logits of
-the kernels (the default on CUDA) against those of the torch reference path (QUANTKIT_KERNEL=reference)
+the kernels (the default on CUDA) against those of the torch reference path (KernelSettings(path="reference"))
 for 1, 16 and 100 rows of activations (the GEMV, and on Hopper the Gluon GEMM for the 100)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 import quantkit
 from quantkit_testing.gpu_checks import rel_err
+from quantkit.kernels.settings import KernelSettings
 from quantkit.nn import QuantLinear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,11 +28,13 @@ def test_kernel_logits_match_reference_path(small_llama, scheme, monkeypatch):
     assert len(layers) == 4 * 7
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, 300, shape, generator=g).to(DEVICE) for shape in INPUTS]
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    for layer in layers:
+        layer.kernels = KernelSettings(path="reference")
     with torch.no_grad():
         want = [model(x).logits.float() for x in ids]
     assert not any("_kernel_weights" in m.__dict__ for m in layers)  # the kernels had not run yet
-    monkeypatch.delenv("QUANTKIT_KERNEL")
+    for layer in layers:
+        layer.kernels = KernelSettings()  # the default: the kernels on CUDA
     with torch.no_grad():
         got = [model(x).logits.float() for x in ids]
     assert all("_kernel_weights" in m.__dict__ for m in layers)  # every linear went through the kernels

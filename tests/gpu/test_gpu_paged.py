@@ -1,5 +1,5 @@
 """The engine's Triton kernels (kernels/triton_paged.py, triton_fused.py) on the GPU at real shapes, against the
-torch reference (kernels/paged_kv.py with QUANTKIT_KERNEL=reference) run on the same GPU.
+torch reference (kernels/paged_kv.py with KernelSettings(path="reference")) run on the same GPU.
 
 Llama-2-7B (32 heads of 128, MHA) and Llama-3-8B (32 query heads over 8 KV heads) decode attention at
 batch 1 and 32, contexts up to 100, 4096 and 8192 tokens, fp16/int8/int4 blocks, and packed prefill steps; random K/V/Q (never
@@ -11,6 +11,7 @@ RMSNorm (+ residual), RoPE and SiLU·mul kernels (kernels/triton_fused.py) again
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from quantkit_testing.gpu_checks import capture, rel_err
 from quantkit.kernels.paged_kv import PagedKV, paged_decode_attention, paged_prefill_attention, write_kv
+from quantkit.kernels.settings import KernelSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,12 +61,11 @@ def filled_cache(lens: torch.Tensor, kv_heads: int, head_dim: int, bits: int, se
     return cache, tables.cuda()
 
 
-def reference_decode(monkeypatch, *args) -> torch.Tensor:
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
-    try:
-        return paged_decode_attention(*args)
-    finally:
-        monkeypatch.delenv("QUANTKIT_KERNEL")
+REFERENCE = KernelSettings(path="reference")
+
+
+def reference_decode(q, cache, *args) -> torch.Tensor:
+    return paged_decode_attention(q, dataclasses.replace(cache, kernels=REFERENCE), *args)
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
@@ -79,8 +80,8 @@ def test_write_equals_reference(monkeypatch, shape, bits):
     slots[::97] = -1
     caches = []
     for path in ("reference", "triton"):
-        monkeypatch.setenv("QUANTKIT_KERNEL", path)
-        caches.append(PagedKV.allocate(200, BLOCK, kv_heads, d, bits, torch.float16, "cuda"))
+        caches.append(PagedKV.allocate(200, BLOCK, kv_heads, d, bits, torch.float16, "cuda",
+                                       kernels=KernelSettings(path=path)))
         write_kv(caches[-1], k, v, slots)
     torch.cuda.synchronize()
     for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
@@ -107,8 +108,8 @@ def test_static_write_equals_reference(monkeypatch, shape, bits):
     slots[::97] = -1
     caches = []
     for path in ("reference", "triton"):
-        monkeypatch.setenv("QUANTKIT_KERNEL", path)
-        caches.append(PagedKV.allocate(200, BLOCK, kv_heads, d, bits, torch.float16, "cuda", static=static))
+        caches.append(PagedKV.allocate(200, BLOCK, kv_heads, d, bits, torch.float16, "cuda", static=static,
+                                       kernels=KernelSettings(path=path)))
         write_kv(caches[-1], k, v, slots)
     torch.cuda.synchronize()
     for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
@@ -131,7 +132,7 @@ def test_decode_attention(monkeypatch, shape, batch, longest, bits):
     ctx = lens.cuda()
     scale = d**-0.5
     out = paged_decode_attention(q, cache, tables, ctx, scale)
-    ref = reference_decode(monkeypatch, q, cache, tables, ctx, scale)
+    ref = reference_decode(q, cache, tables, ctx, scale)
     err = rel_err(out, ref)
     assert err < TOL, f"{shape} batch {batch} context ≤ {longest} kv{bits}: relative error {err:.2e}"
 
@@ -150,7 +151,7 @@ def test_decode_attention_in_a_cuda_graph(monkeypatch, bits):
         q.copy_((torch.randn(8, heads, d, generator=g) * 3).half())
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference_decode(monkeypatch, q, cache, tables, ctx, d**-0.5)
+        ref = reference_decode(q, cache, tables, ctx, d**-0.5)
         assert rel_err(out, ref) < TOL, lens
 
 
@@ -174,7 +175,7 @@ def test_rows_decode_kernel_equals_dot(monkeypatch, shape, bits):
     torch.cuda.synchronize()
     assert (rows[5] == 0).all() and (dot[5] == 0).all()
     live = lens != 0
-    ref = reference_decode(monkeypatch, q[live], cache, tables[live.cuda()], ctx[live.cuda()], d**-0.5)
+    ref = reference_decode(q[live], cache, tables[live.cuda()], ctx[live.cuda()], d**-0.5)
     assert rel_err(rows[live.cuda()], ref) < TOL and rel_err(rows, dot) < TOL
     ctx.copy_(torch.flip(lens, (0,)).cuda())  # other lengths, the same graph
     graph.replay()
@@ -197,9 +198,7 @@ def test_prefill_attention(monkeypatch, shape, bits):
     q = (torch.randn(int(starts[-1]), heads, d, generator=g) * 3).half().cuda()
     args = (q, cache, tables, lens.cuda(), starts.cuda(), d**-0.5)
     out = paged_prefill_attention(*args)
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
-    ref = paged_prefill_attention(*args)
-    monkeypatch.delenv("QUANTKIT_KERNEL")
+    ref = paged_prefill_attention(q, dataclasses.replace(cache, kernels=REFERENCE), *args[2:])
     for b in range(len(lens)):
         s, e = int(starts[b]), int(starts[b + 1])
         if e > s:
@@ -209,12 +208,9 @@ def test_prefill_attention(monkeypatch, shape, bits):
 
 # ---- the fused elementwise ops (kernels/fused.py) at Llama shapes
 
-def both_paths(monkeypatch, fn):
-    """fn() on the torch reference, then on the Triton kernel (the default on CUDA)."""
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
-    ref = fn()
-    monkeypatch.delenv("QUANTKIT_KERNEL")
-    return ref, fn()
+def both_paths(fn):
+    """fn(kernels) on the torch reference, then on the Triton kernel (the default on CUDA)."""
+    return fn(REFERENCE), fn(KernelSettings())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -225,10 +221,10 @@ def test_rms_norm(monkeypatch, tokens, dtype):
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x, r = (torch.randn(tokens, 4096, generator=g, device="cuda").to(dtype) for _ in range(2))
     w = (torch.rand(4096, generator=g, device="cuda") + 0.5).to(dtype)
-    (ref, ref_h), (out, h) = both_paths(monkeypatch, lambda: rms_norm(x, w, 1e-5, r))
+    (ref, ref_h), (out, h) = both_paths(lambda kernels: rms_norm(x, w, 1e-5, r, kernels))
     assert torch.equal(h, ref_h)
     assert rel_err(out, ref) < 1e-2 and (out != ref).float().mean() < 0.05
-    ref, out = both_paths(monkeypatch, lambda: rms_norm(x, w, 1e-5))
+    ref, out = both_paths(lambda kernels: rms_norm(x, w, 1e-5, kernels=kernels))
     assert rel_err(out, ref) < 1e-2 and (out != ref).float().mean() < 0.05
 
 
@@ -244,13 +240,13 @@ def test_rope(monkeypatch, tokens, interleaved, rotary_dim):
     angles = torch.arange(8192, device="cuda").float()[:, None] * inv_freq
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
 
-    def run():
+    def run(kernels):
         t = qkv.clone()
         apply_rope_(t[:, :4096].view(tokens, 32, 128), t[:, 4096:5120].view(tokens, 8, 128), positions, cos_sin,
-                    rotary_dim, interleaved)
+                    rotary_dim, interleaved, kernels)
         return t
 
-    ref, out = both_paths(monkeypatch, run)
+    ref, out = both_paths(run)
     assert not torch.equal(ref, qkv) and torch.equal(out[:, 5120:], qkv[:, 5120:])
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)  # a last-bit difference at most (FMA)
 
@@ -261,5 +257,5 @@ def test_silu_mul(monkeypatch, dtype):
 
     x = (torch.randn(77, 2 * 11008, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda") * 3)
     x = x.to(dtype)
-    ref, out = both_paths(monkeypatch, lambda: silu_mul(x))
+    ref, out = both_paths(lambda kernels: silu_mul(x, kernels))
     assert rel_err(out, ref) < 1e-2 and (out != ref).float().mean() < 0.05

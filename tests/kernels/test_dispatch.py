@@ -14,6 +14,7 @@ from quantkit_testing.mma_layers import random_layer
 
 from quantkit.config import UserError
 from quantkit.kernels import capture, dispatch
+from quantkit.kernels.settings import KernelSettings
 from quantkit.kernels.triton_layout import KernelWeights
 
 MS = range(1, 2049)
@@ -39,17 +40,6 @@ def picked(key: str, gluon: bool) -> dict[int, list[int]]:
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all()
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-@pytest.fixture
-def table(monkeypatch):
-    """The table as it was, back after the test; QUANTKIT_DISPATCH_TABLE read afresh."""
-    saved = {key: list(rows) for key, rows in dispatch.TABLE.items()}
-    monkeypatch.setattr(dispatch, "_loaded", {})
-    monkeypatch.delenv("QUANTKIT_DISPATCH_TABLE", raising=False)
-    yield dispatch.TABLE
-    dispatch.TABLE.clear()
-    dispatch.TABLE.update(saved)
 
 
 def test_rows_are_sorted_and_the_last_covers_every_m():
@@ -140,11 +130,11 @@ def test_every_mma_layout_choice_computes_the_linear(mma_asm, bits):
 
 def test_eager_calls_leave_small_m_to_the_gemv(monkeypatch):
     """Where the Gluon GEMM could run (here pretended): eager calls with M ≤ EAGER_GEMV_MAX_M never take it,
-    graphed ones do where the table says; above that bound both choose alike; QUANTKIT_GLUON=0 turns it off."""
+    graphed ones do where the table says; above that bound both choose alike; settings with gluon off
+    turn it off."""
     monkeypatch.setattr(dispatch.gluon_gemm, "supports", lambda kw, dtype, device: True)
     monkeypatch.setattr(dispatch, "_sm_count", lambda device: 1)  # 16-row tiles per SM = row tiles
-    monkeypatch.setattr(dispatch, "_has_pdl", lambda device: True)  # the table's rows as they are
-    monkeypatch.delenv("QUANTKIT_GLUON", raising=False)
+    monkeypatch.setattr(dispatch, "_has_pdl", lambda device, kernels: True)  # the table's rows as they are
     cpu, cut = torch.device("cpu"), dispatch.EAGER_GEMV_MAX_M
     graphed_gluon = set()
     for n, k, cls in ((24, 256, "narrow"), (24, 8320, "narrow-long-k"), (64, 256, "mid"), (128, 256, "wide")):
@@ -161,9 +151,8 @@ def test_eager_calls_leave_small_m_to_the_gemv(monkeypatch):
                 assert eager == graphed, (cls, m)
         with capture.graph_warmup():  # the warm-up before a capture launches what the capture will
             assert dispatch.choice_for(mw, cut, cpu) == dispatch.choice_for(mw, cut, cpu, graphed=True)
-        monkeypatch.setenv("QUANTKIT_GLUON", "0")
-        assert all(dispatch.choice_for(mw, m, cpu, graphed=True).method != "gluon" for m in range(1, 1100))
-        monkeypatch.delenv("QUANTKIT_GLUON")
+        off = KernelSettings(gluon=False)
+        assert all(dispatch.choice_for(mw, m, cpu, graphed=True, kernels=off).method != "gluon" for m in range(1, 1100))
     assert graphed_gluon == {"narrow", "narrow-long-k", "mid", "wide"}  # the eager rule did change something
 
 
@@ -182,25 +171,30 @@ def test_pdl_parameters_only_where_the_gpu_launches_with_pdl():
 
 
 def test_pdl_is_opt_in(monkeypatch):
-    monkeypatch.delenv("QUANTKIT_PDL", raising=False)
-    assert not dispatch._has_pdl(torch.device("cpu"))
-    monkeypatch.setenv("QUANTKIT_PDL", "1")
-    assert not dispatch._has_pdl(torch.device("cpu"))  # no CUDA device: never
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert not dispatch._has_pdl(cuda, KernelSettings())
+    assert dispatch._has_pdl(cuda, KernelSettings(pdl=True))
+    assert not dispatch._has_pdl(cuda, KernelSettings.from_env({}))
+    assert dispatch._has_pdl(cuda, KernelSettings.from_env({"QUANTKIT_PDL": "1"}))
+    assert not dispatch._has_pdl(torch.device("cpu"), KernelSettings(pdl=True))  # no CUDA device: never
 
 
-def test_a_table_file_replaces_the_rows_it_names(triton_interpreter, table, tmp_path, monkeypatch):
+def test_a_table_file_replaces_the_rows_it_names(triton_interpreter, tmp_path):
     path = tmp_path / "table.json"
     gemv = {"method": "gemv", "params": {"block_n": 16, "blocks": 2, "num_warps": 4, "num_stages": 1}}
     path.write_text(json.dumps({"w4 block-planar": [[3, gemv], [1 << 30, {"method": "dequant+cublas"}]]}))
-    mid = list(table["w4 mid"])
-    monkeypatch.setenv("QUANTKIT_DISPATCH_TABLE", str(path))
-    assert [dispatch.choose(4, m).method for m in (1, 3, 4)] == ["gemv", "gemv", "dequant+cublas"]
-    assert table["w4 mid"] == mid  # the classes the file does not name keep their rows
+    before = {key: list(rows) for key, rows in dispatch.TABLE.items()}
+    table = KernelSettings.from_env({"QUANTKIT_DISPATCH_TABLE": str(path)}).dispatch_rows()
+    assert [dispatch.choose(4, m, table=table).method for m in (1, 3, 4)] == ["gemv", "gemv", "dequant+cublas"]
+    assert table["w4 mid"] == before["w4 mid"]  # the classes the file does not name keep their rows
+    assert dispatch.TABLE == before  # and the package's table is left as it is
     kw, w = packed_layer(torch.randint(0, 16, (24, 128), dtype=torch.int32),
                          torch.randint(0, 16, (24, 1), dtype=torch.int32),
                          (torch.rand(24, 1) * 0.02 + 0.002).half(), 4, 128, "awq", False)
     x = torch.randn(3, 128).half()
-    assert rel(dispatch.run(x, kw, None, dispatch.choose(4, 3)), x.float() @ w.float().t()) < 1e-2
+    assert rel(dispatch.run(x, kw, None, dispatch.choose(4, 3, table=table)), x.float() @ w.float().t()) < 1e-2
 
 
 @pytest.mark.parametrize("text, says", [
@@ -212,15 +206,14 @@ def test_a_table_file_replaces_the_rows_it_names(triton_interpreter, table, tmp_
     ('{"w4 mid": [[1, {"method": "dequant+cublas"}], [9, {"method": "gluon"}]]}', 'not "gluon"'),
     ('{"w4 mid": [[1, {"method": "gemv"}]]}', "use only"),
 ])
-def test_a_malformed_table_file_gets_a_one_line_error(table, tmp_path, monkeypatch, text, says):
+def test_a_malformed_table_file_gets_a_one_line_error(tmp_path, text, says):
     path = tmp_path / "table.json"
     path.write_text(text)
-    monkeypatch.setenv("QUANTKIT_DISPATCH_TABLE", str(path))
-    before = {key: list(rows) for key, rows in table.items()}
+    before = {key: list(rows) for key, rows in dispatch.TABLE.items()}
     with pytest.raises(UserError) as err:
-        dispatch.choose(4, 1)
+        KernelSettings.from_env({"QUANTKIT_DISPATCH_TABLE": str(path)}).dispatch_rows()
     assert says in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
-    assert table == before
+    assert dispatch.TABLE == before
 
 
 def test_cpu_layers_never_get_the_gluon_gemm(triton_interpreter):
@@ -265,9 +258,6 @@ def test_triton_kernels_only_on_nvidia_sm80_and_later(monkeypatch, caplog):
     path (QuantLinear's torch reference); forced onto Triton there, layers keep the block-planar layout."""
     from quantkit.kernels import hardware
     from quantkit.kernels.triton_layout import pack_block_planar
-    from quantkit.nn.quant_linear import kernel_choice
-
-    monkeypatch.delenv("QUANTKIT_KERNEL", raising=False)
     monkeypatch.setattr(dispatch, "interpreted", lambda: False)
     monkeypatch.setattr(hardware, "_logged", set())
     q = torch.randint(0, 16, (64, 256))
@@ -281,7 +271,7 @@ def test_triton_kernels_only_on_nvidia_sm80_and_later(monkeypatch, caplog):
         monkeypatch.setattr(torch.version, "hip", hip)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
         assert hardware.mma_capable(cuda) == capable, (hip, capability)
-        assert kernel_choice(cuda) == ("triton" if capable else "reference")
+        assert KernelSettings().triton(cuda) == capable and KernelSettings(path="triton").triton(cuda)
         assert dispatch.takes_mma_layout(kw, cuda, torch.float16) == capable
     assert not hardware.mma_capable(torch.device("cpu"))
     # one log line per kind of refusal, however many layers ask

@@ -7,16 +7,7 @@ import pytest
 import torch
 
 from quantkit.kernels import fused
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
-
-
-@pytest.fixture
-def triton_path(monkeypatch, triton_interpreter):
-    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
+from quantkit.kernels.settings import KernelSettings
 
 
 def rand(*shape, seed=0, dtype=torch.float32):
@@ -31,7 +22,7 @@ def cos_sin_table(max_pos, rotary_dim, base=10000.0):
 
 # ---- reference
 
-def test_rms_norm_matches_float64(reference_path):
+def test_rms_norm_matches_float64():
     x, r, w = rand(5, 96), rand(5, 96, seed=1), rand(96, seed=2)
     h64 = x.double() + r.double()
     want = h64 / (h64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
@@ -45,7 +36,7 @@ def test_rms_norm_matches_float64(reference_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_rms_norm_rounds_as_transformers(reference_path, dtype):
+def test_rms_norm_rounds_as_transformers(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(128, eps=1e-5).to(dtype)
@@ -58,7 +49,7 @@ def test_rms_norm_rounds_as_transformers(reference_path, dtype):
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_rope_matches_transformers_rotate_half(reference_path, rotary_dim):
+def test_rope_matches_transformers_rotate_half(rotary_dim):
     """Neox halves on the first rotary_dim of 64 channels (partial rotary leaves the rest untouched)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -75,7 +66,7 @@ def test_rope_matches_transformers_rotate_half(reference_path, rotary_dim):
     torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_rope_interleaved_rotates_adjacent_pairs(reference_path):
+def test_rope_interleaved_rotates_adjacent_pairs():
     q, k = rand(3, 2, 8), rand(3, 1, 8, seed=1)
     positions = torch.tensor([5, 0, 2])
     cos_sin, angles = cos_sin_table(8, 8)
@@ -87,7 +78,7 @@ def test_rope_interleaved_rotates_adjacent_pairs(reference_path):
     torch.testing.assert_close(q.double(), want_q, rtol=1e-5, atol=1e-5)
 
 
-def test_silu_mul_matches_float64(reference_path):
+def test_silu_mul_matches_float64():
     x = rand(4, 3, 2 * 48) * 3
     g, u = x.double()[..., :48], x.double()[..., 48:]
     torch.testing.assert_close(fused.silu_mul(x).double(), g / (1 + (-g).exp()) * u, rtol=1e-5, atol=1e-5)
@@ -95,19 +86,16 @@ def test_silu_mul_matches_float64(reference_path):
 
 # ---- Triton against the reference
 
-def both_paths(monkeypatch, fn):
-    """fn() on the reference, then on the Triton kernels (interpreted)."""
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
-    ref = fn()
-    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
-    return ref, fn()
+def both_paths(fn):
+    """fn(kernels) on the reference, then on the Triton kernels (interpreted)."""
+    return fn(KernelSettings(path="reference")), fn(KernelSettings(path="triton"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("residual", [False, True])
-def test_triton_rms_norm(monkeypatch, triton_interpreter, dtype, residual):
+def test_triton_rms_norm(triton_interpreter, dtype, residual):
     x, r, w = rand(5, 3, 96, dtype=dtype), rand(5, 3, 96, seed=1, dtype=dtype), rand(96, seed=2, dtype=dtype)
-    ref, out = both_paths(monkeypatch, lambda: fused.rms_norm(x, w, 1e-6, r if residual else None))
+    ref, out = both_paths(lambda kernels: fused.rms_norm(x, w, 1e-6, r if residual else None, kernels))
     if residual:
         assert torch.equal(out[1], ref[1])
         ref, out = ref[0], out[0]
@@ -118,26 +106,26 @@ def test_triton_rms_norm(monkeypatch, triton_interpreter, dtype, residual):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_triton_rope(monkeypatch, triton_interpreter, interleaved, rotary_dim):
+def test_triton_rope(triton_interpreter, interleaved, rotary_dim):
     qkv = rand(7, 8 * 64, dtype=torch.float16)  # q (4 heads), k (2), v (2) as views of one fused output
     positions = torch.tensor([0, 3, 9, 1, 17, 30, 31])
     cos_sin, _ = cos_sin_table(32, rotary_dim)
 
-    def run():
+    def run(kernels):
         t = qkv.clone()
         q, k = t[:, :256].view(7, 4, 64), t[:, 256:384].view(7, 2, 64)
-        fused.apply_rope_(q, k, positions, cos_sin, rotary_dim, interleaved)
+        fused.apply_rope_(q, k, positions, cos_sin, rotary_dim, interleaved, kernels)
         return t
 
-    ref, out = both_paths(monkeypatch, run)
+    ref, out = both_paths(run)
     assert not torch.equal(ref, qkv)
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
     assert torch.equal(out[:, 384:], qkv[:, 384:])  # v untouched
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_triton_silu_mul(monkeypatch, triton_interpreter, dtype):
+def test_triton_silu_mul(triton_interpreter, dtype):
     x = rand(6, 2 * 1100, dtype=dtype) * 3  # an intermediate size that is no multiple of the tile
-    ref, out = both_paths(monkeypatch, lambda: fused.silu_mul(x))
+    ref, out = both_paths(lambda kernels: fused.silu_mul(x, kernels))
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
     assert (out != ref).float().mean() < 0.05

@@ -8,6 +8,8 @@ non-contiguous block tables, GQA, and a pool whose unused slots hold NaN codes w
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -17,12 +19,8 @@ from quantkit.config import UserError
 from quantkit.kernels import triton_paged
 from quantkit.kernels.paged_kv import (QMAX, PagedKV, gather_kv, pack_int4, paged_decode_attention,
                                        paged_prefill_attention, quantize_per_token, static_scales, write_kv)
+from quantkit.kernels.settings import KernelSettings
 from quantkit_testing.paged_cases import BLOCK, attention64, filled_cache, rel, stored_values
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
 
 
 def pack(q, bits):
@@ -78,7 +76,7 @@ def test_per_token_codes_against_float64(bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_quantized_write_stores_per_token_codes(reference_path, bits, dtype):
+def test_quantized_write_stores_per_token_codes(bits, dtype):
     g = torch.Generator().manual_seed(1)
     k = (torch.randn(40, 2, 64, generator=g) * torch.rand(40, 2, 1, generator=g) * 4).to(dtype)
     v = (torch.randn(40, 2, 64, generator=g) + 0.5).to(dtype)  # mostly positive rows: zero near the bottom
@@ -94,7 +92,7 @@ def test_quantized_write_stores_per_token_codes(reference_path, bits, dtype):
         assert torch.equal(zero.reshape(-1, 2)[slots], z)
 
 
-def test_negative_slots_are_skipped(reference_path):
+def test_negative_slots_are_skipped():
     cache = PagedKV.allocate(2, BLOCK, 1, 64, 8, torch.float16, "cpu")
     k = torch.randn(3, 1, 64).half()
     write_kv(cache, k, k, torch.tensor([5, -1, 7]))
@@ -104,7 +102,7 @@ def test_negative_slots_are_skipped(reference_path):
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
-def test_gather_reads_back_what_was_written(reference_path, bits):
+def test_gather_reads_back_what_was_written(bits):
     lens = [37, 16, 5]
     cache, tables, ks, vs = filled_cache(lens, 2, 64, bits, torch.float32)
     for b, n in enumerate(lens):
@@ -121,7 +119,7 @@ def test_gather_reads_back_what_was_written(reference_path, bits):
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
-def test_decode_attention_matches_float64(reference_path, bits, heads, kv_heads):
+def test_decode_attention_matches_float64(bits, heads, kv_heads):
     lens = [1, 16, 33, 50]
     cache, tables, ks, vs = filled_cache(lens, kv_heads, 64, bits, torch.float32)
     q = torch.randn(len(lens), heads, 64)
@@ -132,7 +130,7 @@ def test_decode_attention_matches_float64(reference_path, bits, heads, kv_heads)
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-def test_prefill_attention_matches_float64(reference_path, bits):
+def test_prefill_attention_matches_float64(bits):
     """Three sequences packed: a whole prompt, a cached prefix + 7 new tokens, a single new token."""
     lens, new = [21, 40, 9], [21, 7, 1]
     cache, tables, ks, vs = filled_cache(lens, 2, 64, bits, torch.float32, seed=3)
@@ -145,7 +143,7 @@ def test_prefill_attention_matches_float64(reference_path, bits):
         torch.testing.assert_close(out[start[b]:start[b + 1]].double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_equals_prefill_of_one_token(reference_path):
+def test_decode_equals_prefill_of_one_token():
     lens = [19, 48]
     cache, tables, _, _ = filled_cache(lens, 2, 64, 8, torch.float32, seed=5)
     q = torch.randn(2, 4, 64)
@@ -169,8 +167,7 @@ def test_triton_write_equals_reference(monkeypatch, triton_interpreter, bits, dt
     slots[[3, 11]] = -1
     caches = []
     for path in ("reference", "triton"):
-        monkeypatch.setenv("QUANTKIT_KERNEL", path)
-        cache = PagedKV.allocate(5, BLOCK, 2, 64, bits, dtype, "cpu")
+        cache = PagedKV.allocate(5, BLOCK, 2, 64, bits, dtype, "cpu", kernels=KernelSettings(path=path))
         write_kv(cache, k, v, slots)
         caches.append(cache)
     ref, tri = caches
@@ -197,16 +194,15 @@ def test_triton_decode_attention(monkeypatch, triton_interpreter, bits, dtype, h
     """Contexts of 1 token to several tiles, partial last blocks, random block tables; a kernel split
     into more partitions than a short context has tiles leaves those partitions empty."""
     lens = [1, 16, 37, 70, 5]
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
-    cache, tables, _, _ = filled_cache(lens, kv_heads, 64, bits, dtype, seed=bits + heads)
+    cache, tables, _, _ = filled_cache(lens, kv_heads, 64, bits, dtype, seed=bits + heads)  # the reference writes
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = (torch.randn(len(lens), heads, 96, generator=torch.Generator().manual_seed(2))[..., :64] * 2).to(dtype)
     ref = paged_decode_attention(q, cache, tables, ctx, 0.125)
     out = triton_paged.paged_decode_attention(q, cache, tables, ctx, 0.125, partitions=partitions, block_n=block_n)
     assert rel(out, ref) < 4e-3
     if partitions is None:  # and the dispatch takes the kernel
-        monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
-        assert torch.equal(paged_decode_attention(q, cache, tables, ctx, 0.125), out)
+        on_triton = dataclasses.replace(cache, kernels=KernelSettings(path="triton"))
+        assert torch.equal(paged_decode_attention(q, on_triton, tables, ctx, 0.125), out)
 
 
 @triton.jit
@@ -223,7 +219,7 @@ def test_kernel_rounding_is_torch_round(triton_interpreter):
     assert torch.equal(out, torch.round(x))
 
 
-def test_prefill_reads_the_lengths_on_the_host_once_given(reference_path, monkeypatch):
+def test_prefill_reads_the_lengths_on_the_host_once_given(monkeypatch):
     """Given the step's host lists (the runner passes them to every layer), the prefill reads nothing back
     from the device and computes what it computes from the tensors; without them each call reads the
     tensors, so an in-place change is seen."""
@@ -268,7 +264,7 @@ def test_static_scales_span_each_heads_range():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_static_write_uses_the_heads_scales(reference_path, bits):
+def test_static_write_uses_the_heads_scales(bits):
     kv_heads, d = 2, 64
     (klo, khi), (vlo, vhi) = static_ranges(kv_heads, d, 3), static_ranges(kv_heads, d, 4)
     static = static_scales(klo, khi, vlo, vhi, bits)
@@ -313,8 +309,7 @@ def test_triton_static_write_equals_reference(monkeypatch, triton_interpreter, b
     static = static_scales(*static_ranges(2, 64, 7), *static_ranges(2, 64, 8), bits)
     caches = []
     for path in ("reference", "triton"):
-        monkeypatch.setenv("QUANTKIT_KERNEL", path)
-        cache = PagedKV.allocate(4, BLOCK, 2, 64, bits, dtype, "cpu", static=static)
+        cache = PagedKV.allocate(4, BLOCK, 2, 64, bits, dtype, "cpu", static=static, kernels=KernelSettings(path=path))
         write_kv(cache, k, v, slots)
         caches.append(cache)
     ref, tri = caches

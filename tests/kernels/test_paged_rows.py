@@ -8,11 +8,14 @@ unused slots of fp16/bf16 pools (quantkit_testing.paged_cases.filled_cache), one
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from quantkit.kernels import triton_paged
 from quantkit.kernels.paged_kv import paged_decode_attention
+from quantkit.kernels.settings import KernelSettings
 from quantkit_testing.paged_cases import attention64, filled_cache, stored_values
 
 CASES = [  # bits, dtype, heads, kv_heads, head_dim, partitions (None: num_partitions), block_n
@@ -42,7 +45,6 @@ def test_rows_kernel_is_attention_over_the_stored_values(monkeypatch, triton_int
     attention over the decoded cache (decode_kernel's fp16/bf16 p is not that close). An empty context
     gives 0, from both kernels."""
     lens = [1, 16, 37, 70, 0, 5]
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")  # the cache written by the reference
     cache, tables, ks, vs = filled_cache(lens, kv_heads, head_dim, bits, dtype, seed=bits + heads)
     ctx = torch.tensor(lens, dtype=torch.int32)
     g = torch.Generator().manual_seed(heads)
@@ -64,35 +66,31 @@ def test_rows_kernel_is_attention_over_the_stored_values(monkeypatch, triton_int
         assert err < 4e-3
 
 
-def test_rows_kernel_serves_the_dispatch_when_asked(monkeypatch, triton_interpreter):
-    """QUANTKIT_DECODE_KERNEL=rows sends groups of ≤ 4 query heads to the rows kernel, larger ones to
-    decode_kernel; unset, these groups (GQA) go to decode_kernel."""
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+def test_rows_kernel_serves_the_dispatch_when_asked(triton_interpreter):
+    """A pool whose settings ask for "rows" sends groups of ≤ 4 query heads to the rows kernel, larger ones
+    to decode_kernel; by default these groups (GQA) go to decode_kernel."""
     lens = [9, 40]
-    cache, tables, _, _ = filled_cache(lens, 1, 64, 4, torch.float16, seed=3)
+    cache, tables, _, _ = filled_cache(lens, 1, 64, 4, torch.float16, seed=3)  # written by the reference
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4)).half()
-    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
+    by_default = dataclasses.replace(cache, kernels=KernelSettings(path="triton"))
+    rows_asked = dataclasses.replace(cache, kernels=KernelSettings.from_env({"QUANTKIT_KERNEL": "triton",
+                                                                             "QUANTKIT_DECODE_KERNEL": "rows"}))
     for heads, variant in ((4, "rows"), (8, "dot")):
         qh = q[:, :heads]
-        monkeypatch.delenv("QUANTKIT_DECODE_KERNEL", raising=False)
-        default = paged_decode_attention(qh, cache, tables, ctx, 0.125)
-        monkeypatch.setenv("QUANTKIT_DECODE_KERNEL", "rows")
-        asked = paged_decode_attention(qh, cache, tables, ctx, 0.125)
+        default = paged_decode_attention(qh, by_default, tables, ctx, 0.125)
+        asked = paged_decode_attention(qh, rows_asked, tables, ctx, 0.125)
         assert torch.equal(default, triton_paged.paged_decode_attention(qh, cache, tables, ctx, 0.125, kernel="dot"))
         assert torch.equal(asked, triton_paged.paged_decode_attention(qh, cache, tables, ctx, 0.125, kernel=variant))
 
 
-def test_decode_variant_rule(monkeypatch):
-    """Unset: rows for MHA over int8/int4 codes only (where the H200 measured it faster); the variable or
+def test_decode_variant_rule():
+    """"auto": rows for MHA over int8/int4 codes only (where it measured faster); the pool's preference or
     the argument overrides; a group too large for rows is refused when asked for by name."""
-    monkeypatch.delenv("QUANTKIT_DECODE_KERNEL", raising=False)
     assert [triton_paged.decode_variant(1, bits) for bits in (16, 8, 4)] == ["dot", "rows", "rows"]
     assert [triton_paged.decode_variant(g, 4) for g in (2, 4, 8)] == ["dot", "dot", "dot"]
-    monkeypatch.setenv("QUANTKIT_DECODE_KERNEL", "dot")
-    assert triton_paged.decode_variant(1, 4) == "dot"
-    monkeypatch.setenv("QUANTKIT_DECODE_KERNEL", "rows")
-    assert [triton_paged.decode_variant(g, 16) for g in (1, 4, 8)] == ["rows", "rows", "dot"]
+    assert triton_paged.decode_variant(1, 4, preferred="dot") == "dot"
+    assert [triton_paged.decode_variant(g, 16, preferred="rows") for g in (1, 4, 8)] == ["rows", "rows", "dot"]
     assert triton_paged.decode_variant(8, 4, "dot") == "dot"
     with pytest.raises(ValueError, match="at most 4"):
         triton_paged.decode_variant(8, 4, "rows")

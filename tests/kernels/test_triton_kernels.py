@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from quantkit.formats.awq_gemm import pack_awq_gemm
 from quantkit.formats.compressed_tensors import pack_compressed
 from quantkit.kernels import triton_layout
+from quantkit.kernels.settings import KernelSettings
 from quantkit_testing.kernel_oracles import packed_layer
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -114,9 +115,9 @@ def test_quant_linear_forward_on_triton_path(monkeypatch):
     layer.scales.copy_(t["scales"])
     layer.bias.copy_(torch.randn(48))
     x = torch.randn(3, 7, 128).half()  # M = 21 rows: the table's GEMM path
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    layer.kernels = KernelSettings(path="reference")
     ref = layer(x)
-    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
+    layer.kernels = KernelSettings(path="triton")
     out = layer(x)
     assert out.shape == (3, 7, 48) and rel(out, ref) <= TOL
     assert rel(layer(x[:1, :1]), ref[:1, :1]) <= TOL  # M = 1: the GEMV path
@@ -139,14 +140,14 @@ def test_checkpoint_tensors_offloaded_once_repacked(monkeypatch):
     calls, offload = [], QuantLinear.offload_checkpoint_tensors
     monkeypatch.setattr(QuantLinear, "offload_checkpoint_tensors", lambda self: calls.append(self) or offload(self))
     x = torch.randn(2, 128).half()
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    layer.kernels = KernelSettings(path="reference")
     ref = layer(x)
     kw = dispatch.kernel_weights(layer, torch.device("cpu"), offload=True)
     assert calls == [layer]
     assert dispatch.kernel_weights(layer, torch.device("cpu"), offload=True) is kw and calls == [layer]  # once
     after = layer.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    monkeypatch.setenv("QUANTKIT_KERNEL", "triton")
+    layer.kernels = KernelSettings(path="triton")
     assert rel(layer(x), ref) <= TOL
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
+    layer.kernels = KernelSettings(path="reference")
     assert torch.equal(layer(x), ref)  # the reference path still reads the (offloaded) checkpoint tensors

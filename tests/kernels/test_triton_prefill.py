@@ -54,7 +54,6 @@ TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 6e-3, torch.float32: 1e-5}
 
 @pytest.mark.parametrize("bits,dtype,heads,kv_heads,block_m,block_n", CASES)
 def test_triton_prefill_attention(monkeypatch, triton_interpreter, bits, dtype, heads, kv_heads, block_m, block_n):
-    monkeypatch.setenv("QUANTKIT_KERNEL", "reference")
     cache, tables, ks, vs = filled_cache(LENS, kv_heads, 64, bits, dtype, seed=bits + heads)
     ctx = torch.tensor(LENS, dtype=torch.int32)
     start = torch.tensor([0, *torch.tensor(NEW).cumsum(0).tolist()], dtype=torch.int32)

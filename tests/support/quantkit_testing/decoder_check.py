@@ -14,7 +14,9 @@ import math
 import torch
 
 from quantkit.engine.attention import AttnMetadata
+from quantkit.engine.layers import use_kernels
 from quantkit.kernels.paged_kv import PagedKV
+from quantkit.kernels.settings import AUTO, KernelSettings
 
 BLOCK = 16
 PROMPT_LENS = (5, 20, 14)  # 20 spans two blocks; 14 + 4 decode steps crosses into a second block
@@ -45,14 +47,16 @@ def engine_step(model, tables: torch.Tensor, new: list[torch.Tensor], past: list
     return list(logits.split(counts.tolist()))
 
 
-def engine_logits(model, prompts, decode_tokens, rotation: str = "none") -> list[list[torch.Tensor]]:
+def engine_logits(model, prompts, decode_tokens, rotation: str = "none",
+                  kernels: KernelSettings = AUTO) -> list[list[torch.Tensor]]:
     """Per sequence: [prefill logits [L, V], then one [1, V] per decode step]; `rotation`: the KV16 pool's
-    (kernels/kv_rotation.py)."""
+    (kernels/kv_rotation.py); `kernels`: the model's and the pool's (by default the torch code on the CPU)."""
+    use_kernels(model, kernels)
     per_seq = math.ceil((max(PROMPT_LENS) + DECODE_STEPS) / BLOCK)
     tables = torch.arange(len(prompts) * per_seq, dtype=torch.int32).view(len(prompts), per_seq)
     model.set_kv_caches([
         PagedKV.allocate(tables.numel(), BLOCK, model.num_kv_heads, model.head_dim, 16, model.dtype, "cpu",
-                         rotation=rotation)
+                         rotation=rotation, kernels=kernels)
         for _ in range(model.num_layers)
     ])
     out = [[x] for x in engine_step(model, tables, prompts, [0] * len(prompts), decode=False)]
@@ -81,10 +85,10 @@ def hf_logits(hf, prompts, decode_tokens) -> list[list[torch.Tensor]]:
     return out
 
 
-def assert_same_logits(model, hf, rotation: str = "none") -> None:
+def assert_same_logits(model, hf, rotation: str = "none", kernels: KernelSettings = AUTO) -> None:
     prompts, decode = make_prompts()
     with torch.no_grad():
-        got, want = engine_logits(model, prompts, decode, rotation), hf_logits(hf, prompts, decode)
+        got, want = engine_logits(model, prompts, decode, rotation, kernels), hf_logits(hf, prompts, decode)
     for b, (g_seq, w_seq) in enumerate(zip(got, want)):
         for step, (g, w) in enumerate(zip(g_seq, w_seq)):
             err = (g - w.float()).abs().max() / w.abs().max()
