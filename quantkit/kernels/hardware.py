@@ -8,6 +8,7 @@ dequantizes the weight and calls the platform's matrix product. The first refusa
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -16,22 +17,17 @@ log = logging.getLogger(__name__)
 
 MIN_CAPABILITY = (8, 0)
 
-_capable: dict[int, bool] = {}  # by CUDA device index: asked once per device and process
-_logged: set[str] = set()
-
-
 def mma_capable(device: torch.device) -> bool:
     """Whether `device` runs the Triton kernels and the tensor-core GEMV: an NVIDIA GPU of compute
     capability 8.0 or later (not ROCm, where torch.version.hip is set)."""
     if device.type != "cuda":
         return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index not in _capable:
-        _capable[index] = _check(index)
-    return _capable[index]
+    return device_capable(torch.cuda.current_device() if device.index is None else device.index)
 
 
-def _check(index: int) -> bool:
+@functools.cache
+def device_capable(index: int) -> bool:
+    """`mma_capable` for CUDA device `index`: asked once per device and process, a refusal logged then."""
     if torch.version.hip is not None:
         why = f"ROCm (HIP {torch.version.hip})"
     else:
@@ -39,9 +35,7 @@ def _check(index: int) -> bool:
         if capability >= MIN_CAPABILITY:
             return True
         why = f"compute capability {capability[0]}.{capability[1]}"
-    if why not in _logged:
-        _logged.add(why)
-        log.warning("quantized linears on cuda:%d, %s: the Triton kernels need an NVIDIA GPU of compute "
-                    "capability 8.0 or later; using the dequantize path (torch reference)", index, why)
+    log.warning("quantized linears on cuda:%d, %s: the Triton kernels need an NVIDIA GPU of compute "
+                "capability 8.0 or later; using the dequantize path (torch reference)", index, why)
     return False
 

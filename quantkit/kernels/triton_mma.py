@@ -37,6 +37,8 @@ the variants tried: BENCHMARKS.md ("Kernels") and bench/KERNELS_NOTES.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -258,15 +260,10 @@ def _asm(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, rows: 
     return "\n".join(L), ",".join(cons)
 
 
-_ASM: dict = {}
-
-
+@functools.cache
 def asm_for(bits: int, col_tiles: int, bf16: bool, even_k: bool, tiles: int, rows: int = 1) -> tuple[str, str]:
-    """The cached PTX and constraints of one configuration."""
-    key = (bits, col_tiles, bf16, even_k, tiles, rows)
-    if key not in _ASM:
-        _ASM[key] = _asm(bits, col_tiles, bf16, even_k, tiles, rows)
-    return _ASM[key]
+    """The PTX and constraints of one configuration (a pure function of it, made once)."""
+    return _asm(bits, col_tiles, bf16, even_k, tiles, rows)
 
 
 @triton.jit

@@ -259,7 +259,6 @@ def test_triton_kernels_only_on_nvidia_sm80_and_later(monkeypatch, caplog):
     from quantkit.kernels import hardware
     from quantkit.kernels.triton_layout import pack_block_planar
     monkeypatch.setattr(dispatch, "interpreted", lambda: False)
-    monkeypatch.setattr(hardware, "_logged", set())
     q = torch.randint(0, 16, (64, 256))
     kw = KernelWeights(pack_block_planar(q, 4), torch.ones(64, 2).half(), torch.zeros(64, 2, dtype=torch.uint8),
                        4, 128, 256, 64)
@@ -267,20 +266,20 @@ def test_triton_kernels_only_on_nvidia_sm80_and_later(monkeypatch, caplog):
     cases = [(None, (9, 0), True), (None, (8, 0), True), (None, (8, 9), True), (None, (7, 5), False),
              (None, (7, 0), False), ("6.2.41134", (9, 4), False)]
     for hip, capability, capable in cases:
-        monkeypatch.setattr(hardware, "_capable", {})
+        hardware.device_capable.cache_clear()
         monkeypatch.setattr(torch.version, "hip", hip)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
         assert hardware.mma_capable(cuda) == capable, (hip, capability)
         assert KernelSettings().triton(cuda) == capable and KernelSettings(path="triton").triton(cuda)
         assert dispatch.takes_mma_layout(kw, cuda, torch.float16) == capable
     assert not hardware.mma_capable(torch.device("cpu"))
-    # one log line per kind of refusal, however many layers ask
-    monkeypatch.setattr(hardware, "_logged", set())
+    # one log line per device, however many layers ask
+    hardware.device_capable.cache_clear()
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
     caplog.clear()
     with caplog.at_level("WARNING", logger="quantkit.kernels.hardware"):
         for _ in range(3):
-            monkeypatch.setattr(hardware, "_capable", {})
             hardware.mma_capable(cuda)
     assert len(caplog.records) == 1 and "compute capability 7.5" in caplog.text
+    hardware.device_capable.cache_clear()  # the next test asks the real device
