@@ -8,6 +8,7 @@ the recipe's value, and a field neither sets keeps the dataclass default.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -29,6 +30,16 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A setting a user chose is invalid; the message says which and how to fix it."""
+
+
+def read_json(path: Path, error: type[UserError] = UserError) -> dict[str, Any]:
+    """A JSON file of a checkpoint or the user's: {} where it is missing, `error` in one line where malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ token and the content, then the assistant token. The export is a plain LlamaForC
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from quantkit.config import UserError
+from quantkit.config import UserError, read_json
 from quantkit.models.llama_family import LLAMA_GROUPS, LLAMA_LINEARS
 from quantkit.models.registry import ArchSpec, Conversion, register, split_fused_qkv
 from quantkit.models.tokenizer_convert import sentencepiece_to_fast
@@ -104,15 +103,6 @@ def to_llama_state_dict(sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dic
     return out
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-
-
 def chat_template(user: str, assistant: str) -> str:
     """build_chat_input's layout as a chat template: system text, role token + content per message, then
     the assistant token (no separators, no BOS: Baichuan's tokenizer adds none)."""
@@ -129,7 +119,7 @@ def chat_template(user: str, assistant: str) -> str:
 
 def role_tokens(path: Path) -> tuple[int, int] | None:
     """(user_token_id, assistant_token_id) of a chat checkpoint's generation_config.json, else None."""
-    gen = _read_json(path / "generation_config.json")
+    gen = read_json(path / "generation_config.json")
     if "user_token_id" not in gen and "assistant_token_id" not in gen:
         return None
     return int(gen.get("user_token_id", USER_TOKEN_ID)), int(gen.get("assistant_token_id", ASSISTANT_TOKEN_ID))
@@ -143,7 +133,7 @@ def load_tokenizer(path: Path):
     if not model_file.is_file():
         raise UserError(f"{path}: a Baichuan checkpoint needs its tokenizer.model (sentencepiece); quantkit runs "
                         "no remote code: add the tokenizer.model of this model")
-    cfg = _read_json(path / "tokenizer_config.json")
+    cfg = read_json(path / "tokenizer_config.json")
     roles = role_tokens(path)
     if roles is not None:
         sp = spm.SentencePieceProcessor(model_file=str(model_file))

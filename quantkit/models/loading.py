@@ -5,7 +5,6 @@ InternLM2 checkpoints are converted to the Llama layout here (no remote code is 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from quantkit.config import UserError
+from quantkit.config import UserError, read_json
 from quantkit.models import lazy, tokenizer_convert
 from quantkit.models.registry import ArchSpec, spec_for_config
 
@@ -53,10 +52,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(
             f"{path} is not a model directory: it has no config.json (pass a Hugging Face model directory or a .gguf file)"
         )
-    try:
-        return json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{cfg_path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return read_json(cfg_path, ModelLoadError)
 
 
 def transformers_config(path: Path):

@@ -21,7 +21,6 @@ NFC normalization and special tokens, and the ChatML chat template of Qwen's `ch
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from quantkit.config import UserError
+from quantkit.config import UserError, read_json
 from quantkit.models.llama_family import LLAMA_GROUPS, LLAMA_LINEARS
 from quantkit.models.registry import ArchSpec, Conversion, register
 from quantkit.models.tiktoken_convert import read_tiktoken_ranks, tiktoken_to_fast
@@ -149,11 +148,7 @@ def _vocab_size(path: Path) -> int:
 
 def load_tokenizer(path: Path):
     """Qwen's tokenizer from its qwen.tiktoken, as a fast tokenizer with the ChatML chat template."""
-    cfg_file = path / "tokenizer_config.json"
-    try:
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{cfg_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    cfg = read_json(path / "tokenizer_config.json")
     return tiktoken_to_fast(
         _vocab_file(path), PATTERN, SPECIAL_TOKENS, nfc=True, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT,
         chat_template=cfg.get("chat_template") or CHAT_TEMPLATE, model_max_length=cfg.get("model_max_length"),

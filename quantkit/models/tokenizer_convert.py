@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from quantkit.config import UserError
+from quantkit.config import UserError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +201,7 @@ def load_converted(path: Path):
             f"{path}: its tokenizer is remote code (auto_map) and it has no tokenizer.model to convert; "
             "quantkit runs no remote code: add the sentencepiece tokenizer.model of this model"
         )
-    cfg_file = path / "tokenizer_config.json"
-    try:
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{cfg_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    cfg = read_json(path / "tokenizer_config.json")
     template = path / "chat_template.jinja"
     if template.is_file() and not cfg.get("chat_template"):
         cfg["chat_template"] = template.read_text()
