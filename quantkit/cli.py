@@ -15,7 +15,7 @@ from quantkit.engine_flags import (CACHE_FRACTION, DEVICE, DTYPE, KV_BITS, KV_BI
                                    KV_STATS, engine_config)
 
 app = typer.Typer(
-    help="Make LLMs small and fast: quantize Hugging Face checkpoints (RTN, int8, AWQ), evaluate and run them.",
+    help="Make LLMs small and fast: quantize Hugging Face checkpoints (RTN, int8, AWQ, FP8), evaluate and run them.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -114,6 +114,35 @@ def int8(
     """Int8 weight-only quantization, one scale per output channel, written as compressed-tensors."""
     _run_quantize(model, work_dir, overwrite, recipe, quiet, method="int8", format="compressed-tensors",
                   weight=dict(symmetric=symmetric))
+
+
+@app.command()
+def fp8(
+    model: str = MODEL_ARG,
+    work_dir: Path = WORK_DIR,
+    scheme: str | None = typer.Option(
+        None, "--scheme", help="dynamic (activations quantized per token at run time; no calibration data) or static "
+        "(one activation scale per linear, measured on calibration text: the --calib-* flags) (default: dynamic)."),
+    weight_strategy: str | None = typer.Option(
+        None, "--weight-strategy", help="One weight scale per output channel or per tensor: channel or tensor "
+        "(default: channel)."),
+    calib_dataset: str | None = CALIB_DATASET,
+    calib_samples: int | None = CALIB_SAMPLES,
+    calib_seqlen: int | None = CALIB_SEQLEN,
+    seed: int | None = CALIB_SEED,
+    data_dir: str | None = CALIB_DATA_DIR,
+    batch_size: int | None = CALIB_BATCH,
+    device: str | None = CALIB_DEVICE,
+    overwrite: bool = OVERWRITE,
+    recipe: Path | None = RECIPE,
+    quiet: bool = QUIET,
+) -> None:
+    """FP8 W8A8 (e4m3 weights and activations), written as compressed-tensors float-quantized (what vLLM runs on
+    FP8 tensor cores); embeddings and lm_head are kept."""
+    _run_quantize(model, work_dir, overwrite, recipe, quiet, method="fp8", device=device,
+                  fp8=dict(scheme=scheme, weight_strategy=weight_strategy),
+                  calib=dict(dataset=calib_dataset, samples=calib_samples, seqlen=calib_seqlen, seed=seed,
+                             data_dir=data_dir, batch_size=batch_size))
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """Frozen dataclasses for every quantization scheme, and the YAML recipes that fill them.
 
 A recipe is a YAML mapping whose keys are the fields of `QuantizeConfig` (nested mappings for
-`weight`, `calib`, `awq`, `kv`). CLI flags override what a recipe says; a flag left unset keeps
+`weight`, `calib`, `awq`, `learn`, `fp8`). CLI flags override what a recipe says; a flag left unset keeps
 the recipe's value, and a field neither sets keeps the dataclass default.
 """
 
@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-METHODS = ("rtn", "int8", "awq")
+METHODS = ("rtn", "int8", "awq", "fp8")
 FORMATS = ("awq", "compressed-tensors")
+# The format `fp8` writes (compressed-tensors "float-quantized", formats/fp8.py); no other method writes it.
+FP8_FORMAT = "float-quantized"
+FP8_SCHEMES = ("dynamic", "static")
+FP8_WEIGHT_STRATEGIES = ("channel", "tensor")
 GROUP_SIZES_DOC = "32, 64, 128 or -1 (one group per output channel)"
 # What each on-disk format can hold; the --w-bits help and its refusal say the same.
 WRITABLE_BITS_DOC = "4 (awq or compressed-tensors) or 8 (compressed-tensors)"
@@ -138,6 +142,22 @@ class LearnConfig:
 
 
 @dataclass(frozen=True)
+class Fp8Config:
+    """FP8 (e4m3) weights and activations: `scheme` "dynamic" quantizes the activations per token at run
+    time (no calibration data), "static" per tensor with scales measured on calibration text;
+    `weight_strategy` is one weight scale per output channel or per tensor."""
+
+    scheme: str = "dynamic"
+    weight_strategy: str = "channel"
+
+    def __post_init__(self) -> None:
+        if self.scheme not in FP8_SCHEMES:
+            raise ConfigError(f"--scheme {self.scheme!r} is not supported: choose dynamic or static.")
+        if self.weight_strategy not in FP8_WEIGHT_STRATEGIES:
+            raise ConfigError(f"--weight-strategy {self.weight_strategy!r} is not supported: choose channel or tensor.")
+
+
+@dataclass(frozen=True)
 class QuantizeConfig:
     """Everything a quantization run needs besides the model and the output directory."""
 
@@ -147,11 +167,21 @@ class QuantizeConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     awq: AWQConfig = field(default_factory=AWQConfig)
     learn: LearnConfig = field(default_factory=LearnConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     device: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"method {self.method!r} is unknown: choose one of {', '.join(METHODS)}.")
+        if self.method == "fp8" or self.format == FP8_FORMAT:
+            if self.method != "fp8" or self.format not in (None, FP8_FORMAT):
+                raise ConfigError(f"--format {self.format} with method {self.method} cannot be written: FP8 is "
+                                  f"written as {FP8_FORMAT} (`quantkit fp8`), integers as awq or compressed-tensors.")
+            if (self.weight.bits, self.weight.group_size, self.weight.symmetric) != (8, -1, True):
+                raise ConfigError("fp8 takes no integer weight settings (bits, group size, symmetric): its weights are "
+                                  "e4m3 with one scale per channel or tensor (fp8.weight_strategy).")
+            check_device(self.device)
+            return
         fmt = self.resolved_format
         if fmt not in FORMATS:
             raise ConfigError(f"--format {fmt!r} is unknown: choose awq or compressed-tensors.")
@@ -169,12 +199,16 @@ class QuantizeConfig:
 
     @property
     def calibrated(self) -> bool:
-        """Whether the run needs calibration text: AWQ, and RTN with learned rounding."""
-        return self.method == "awq" or (self.method == "rtn" and self.awq.rounding == "learned")
+        """Whether the run needs calibration text: AWQ, RTN with learned rounding, static FP8."""
+        return (self.method == "awq" or (self.method == "rtn" and self.awq.rounding == "learned")
+                or (self.method == "fp8" and self.fp8.scheme == "static"))
 
     @property
     def resolved_format(self) -> str:
-        """The on-disk format: the one asked for, else AWQ gemm for 4-bit and compressed-tensors otherwise."""
+        """The on-disk format: the one asked for, else float-quantized for FP8, AWQ gemm for 4-bit and
+        compressed-tensors otherwise."""
+        if self.method == "fp8":
+            return FP8_FORMAT
         if self.format:
             return self.format
         return "awq" if self.weight.bits == 4 else "compressed-tensors"
@@ -212,9 +246,12 @@ def check_device(name: Optional[str]) -> None:
 
 
 # What a method implies unless the recipe or a flag says otherwise: int8 is weight-only W8 with one symmetric
-# scale per output channel (what vLLM's W8A16 kernels take).
-METHOD_DEFAULTS = {"int8": {"weight": {"bits": 8, "group_size": -1, "symmetric": True}}}
-_NESTED = {"weight": WeightQuantConfig, "calib": CalibConfig, "awq": AWQConfig, "learn": LearnConfig}
+# scale per output channel (what vLLM's W8A16 kernels take); fp8's weights are 8-bit, symmetric, at least per
+# channel (what its report and the evaluation tables read; Fp8Config says channel or tensor).
+_W8_CHANNEL = {"weight": {"bits": 8, "group_size": -1, "symmetric": True}}
+METHOD_DEFAULTS = {"int8": _W8_CHANNEL, "fp8": _W8_CHANNEL}
+_NESTED = {"weight": WeightQuantConfig, "calib": CalibConfig, "awq": AWQConfig, "learn": LearnConfig,
+           "fp8": Fp8Config}
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:

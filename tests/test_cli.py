@@ -271,3 +271,33 @@ def test_int8_writes_w8_per_channel_compressed_tensors(tiny_models, tmp_path, mo
     group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     assert group["weights"]["num_bits"] == 8 and group["weights"]["strategy"] == "channel"
     assert group["weights"]["symmetric"] is True
+
+
+def test_fp8_help_and_bad_flags_are_one_line(tiny_models, text_file, tmp_path, monkeypatch, capsys):
+    help_text = subprocess.run([sys.executable, "-m", "quantkit.cli", "fp8", "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0
+    for flag in ("--scheme", "--weight-strategy", "--calib-dataset", "--work-dir", "--overwrite", "--recipe", "--device"):
+        assert flag in help_text.stdout
+    src, out = str(tiny_models["llama"]), str(tmp_path / "o")
+    for argv, needles in (
+        (["--scheme", "e5m2"], ("--scheme 'e5m2'", "dynamic or static")),
+        (["--weight-strategy", "group"], ("--weight-strategy 'group'", "channel or tensor")),
+        (["--scheme", "static", "--calib-dataset", str(tmp_path / "none.txt")], ("none.txt",)),
+    ):
+        code, _, err = run_cli(["fp8", src, "--work-dir", out, *argv], monkeypatch, capsys)
+        assert_one_line_error(code, err, *needles)
+        assert not (tmp_path / "o").exists()
+
+
+def test_fp8_writes_float_quantized(tiny_models, text_file, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "fp8"
+    code, stdout, err = run_cli(["fp8", str(tiny_models["qwen2"]), "--work-dir", str(out), "--scheme", "static",
+                                 "--weight-strategy", "tensor", "--calib-dataset", str(text_file), "--calib-samples",
+                                 "4", "--calib-seqlen", "32", "-q"], monkeypatch, capsys)
+    assert code in (0, None), err
+    assert "(fp8, float-quantized," in stdout
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert qc["format"] == "float-quantized" and group["weights"]["strategy"] == "tensor"
+    assert group["input_activations"] == {**group["input_activations"], "strategy": "tensor", "dynamic": False}
+    assert json.loads((out / "quant_report.json").read_text())["calibration"]["samples"] == 4

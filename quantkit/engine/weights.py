@@ -2,9 +2,9 @@
 
 Sources: a full-precision HF directory (safetensors or .bin; InternLM2 renamed and its wqkv split by
 models/internlm2.py) or a quantkit export (AWQ gemm or compressed-tensors pack-quantized: QuantLinear
-layers). Fusing concatenates along the output
+layers; compressed-tensors float-quantized: Fp8Linear layers). Fusing concatenates along the output
 dimension, whose position differs per layout: AWQ gemm packs it along dim 1 of qweight/qzeros/scales,
-compressed-tensors along dim 0 of weight_packed/weight_scale/weight_zero_point.
+compressed-tensors along dim 0 of weight_packed/weight_scale/weight_zero_point (and FP8's weight/weight_scale).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from quantkit.formats.registry import UnsupportedFormat, format_of
 from quantkit.models import lazy
 from quantkit.models.loading import ModelLoadError, read_config_json, transformers_config
 from quantkit.models.registry import ArchSpec, spec_for_config
+from quantkit.nn.fp8_linear import Fp8Linear
 from quantkit.nn.quant_linear import QuantLinear
 
 # Our fused linears and the checkpoint linears they are made of, in output order.
@@ -93,12 +94,15 @@ def generation_config(ckpt: Checkpoint):
 
 
 def quant_linear(parts: list[dict[str, torch.Tensor]], fmt: WeightFormat, layout: WeightLayout,
-                 dtype: torch.dtype) -> QuantLinear:
-    """One QuantLinear from the checkpoint tensors of linears sharing their input (a bias among them),
-    outputs in order; its packed tensors are the checkpoint's, joined by the format where there are several."""
+                 dtype: torch.dtype) -> QuantLinear | Fp8Linear:
+    """One QuantLinear (Fp8Linear for FP8) from the checkpoint tensors of linears sharing their input (a bias
+    among them), outputs in order; its packed tensors are the checkpoint's, joined by the format where there
+    are several."""
     biases = [p.get("bias") for p in parts]
     tensors = fmt.join([{n: t for n, t in p.items() if n != "bias"} for p in parts], layout)
-    layer = QuantLinear(**fmt.linear_args(tensors, layout), bias=biases[0] is not None, device="meta")
+    args = fmt.linear_args(tensors, layout)
+    cls = Fp8Linear if args["layout"] == Fp8Linear.LAYOUT else QuantLinear
+    layer = cls(**args, bias=biases[0] is not None, device="meta")
     if biases[0] is not None:
         tensors["bias"] = torch.cat(biases).to(dtype)
     for name, t in tensors.items():

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit.formats.kv_stats import LEGACY_FILE_NAME
-from quantkit.formats.registry import FORMATS, format_of
+from quantkit.formats.registry import QUANT_METHODS, format_of
 
 
 @dataclass
@@ -41,7 +41,7 @@ def is_checkpoint(path: Path) -> bool:
         qc = json.loads(cfg.read_text()).get("quantization_config") or {}
     except json.JSONDecodeError:
         return False
-    return qc.get("quant_method") in FORMATS
+    return qc.get("quant_method") in QUANT_METHODS
 
 
 def checkpoint_size(path: Path) -> int:

@@ -60,7 +60,7 @@ class AwqGemm(WeightFormat):
         return {"quant_method": "awq", "bits": BITS, "group_size": layout.group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": ignore}
 
-    def pack(self, q, zeros, scales, layout: WeightLayout) -> Tensors:
+    def pack(self, q, zeros, scales, layout: WeightLayout, input_scale=None) -> Tensors:
         return pack_awq_gemm(q, zeros, scales)
 
     def unpack(self, tensors: Tensors, layout: WeightLayout):

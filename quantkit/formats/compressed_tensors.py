@@ -89,11 +89,14 @@ class CompressedTensors(WeightFormat):
     tensor_names = TENSOR_NAMES
     writes_kv_scales = True
 
+    def claims(self, qc: dict[str, Any]) -> bool:
+        return qc.get("format", "pack-quantized") == "pack-quantized"
+
     def problem(self, qc: dict[str, Any]) -> Optional[str]:
-        """Formats other than pack-quantized (float, sparse, …) are refused."""
-        if qc.get("format", "pack-quantized") != "pack-quantized":
+        """Formats other than pack-quantized and float-quantized (sparse, naive, …) are refused."""
+        if not self.claims(qc):
             return (f"compressed-tensors format {qc['format']!r} is not supported, only 'pack-quantized' "
-                    "(weight-only int4/int8): re-quantize with `quantkit rtn|int8|awq`")
+                    "(weight-only int4/int8) and 'float-quantized' (FP8): re-quantize with `quantkit rtn|int8|awq|fp8`")
         return None
 
     def read_layout(self, qc: dict[str, Any]) -> WeightLayout:
@@ -104,7 +107,7 @@ class CompressedTensors(WeightFormat):
     def write_config(self, layout: WeightLayout, ignore: list[str]) -> dict[str, Any]:
         return quantization_config(layout.bits, layout.group_size, layout.symmetric, ignore)
 
-    def pack(self, q, zeros, scales, layout: WeightLayout) -> Tensors:
+    def pack(self, q, zeros, scales, layout: WeightLayout, input_scale=None) -> Tensors:
         return pack_compressed(q, zeros, scales, layout.bits, layout.symmetric)
 
     def unpack(self, tensors: Tensors, layout: WeightLayout):

@@ -50,3 +50,37 @@ def dequantize_packed(
     z = packed_zero_points(weight_zero_point, weight_scale, bits, out_features).repeat_interleave(group_size, dim=1)
     s = weight_scale.repeat_interleave(group_size, dim=1)
     return (q - z).float() * s.float()
+
+
+# FP8 (e4m3) W8A8, compressed-tensors float-quantized: what the GPU's scaled matrix product computes, by
+# plain torch ops (the emulation the CPU runs, and the oracle of any FP8 kernel).
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+# vLLM's floor on a per-token scale (448 · 512)⁻¹: an all-zero token still divides by a positive number.
+FP8_MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)
+
+
+def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """W [out, in] in float32 from an e4m3 weight and its scale ([out, 1] per channel or [1] per tensor)."""
+    scale = weight_scale.float()
+    return weight.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1))
+
+
+def fp8_activation_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-token scales [..., 1], float32: each token's largest |x| / 448 (floored at FP8_MIN_TOKEN_SCALE)."""
+    return (x.float().abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(FP8_MIN_TOKEN_SCALE)
+
+
+def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x rounded onto the e4m3 grid under `scale` (per token [..., 1], or per tensor [1]) and back, float32:
+    the values the FP8 GEMM multiplies, times their scale."""
+    s = scale.float()
+    return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = q(x) Wᵀ + b in float32 with W [out, in] already dequantized (float32) and q the activations'
+    e4m3 rounding: per token at run time (`input_scale` None) or under the static per-tensor scale."""
+    scale = fp8_activation_scale(x) if input_scale is None else input_scale.reshape(1)
+    y = torch.nn.functional.linear(fake_quantize_fp8(x, scale), weight.float())
+    return y if bias is None else y + bias.float()

@@ -1,4 +1,4 @@
-"""`quantize()`: the one library call behind `quantkit rtn`, `quantkit int8` and `quantkit awq`."""
+"""`quantize()`: the one library call behind `quantkit rtn`, `quantkit int8`, `quantkit awq` and `quantkit fp8`."""
 
 from __future__ import annotations
 
@@ -105,8 +105,8 @@ def quantize(
 ) -> QuantizeResult:
     """Quantize a model (path, `LoadedModel` or transformers model + `tokenizer`) under `config`.
 
-    `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN and int8
-    need none (RTN with `awq.rounding="learned"` does). With `work_dir` the packed checkpoint is
+    `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN, int8 and
+    dynamic FP8 need none (RTN with `awq.rounding="learned"` and static FP8 do). With `work_dir` the packed checkpoint is
     written there (atomically). KV-cache statistics (quantkit/kv_stats.safetensors) are written from
     the calibration windows, or from `kv_calib` (same forms as `calib`) for any method, measured on
     the quantized blocks.

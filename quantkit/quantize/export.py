@@ -26,7 +26,7 @@ STREAM_SHARD_BYTES = 1024**3
 
 def weight_layout(config: QuantizeConfig) -> WeightLayout:
     """The layout that both the packed tensors and the quantization_config of an export record."""
-    return WeightLayout(config.weight.bits, config.weight.group_size, config.weight.symmetric)
+    return FORMATS[config.resolved_format].layout_of(config)
 
 
 def packed_tensors(qweights: dict[str, QuantizedWeight], config: QuantizeConfig) -> dict[str, torch.Tensor]:
@@ -41,8 +41,9 @@ def packed_tensors(qweights: dict[str, QuantizedWeight], config: QuantizeConfig)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name, qw in qweights.items():
-        q, zeros, scales = (None if t is None else t.to(device) for t in (qw.q, qw.zeros, qw.scales))
-        packed = fmt.pack(q, zeros, scales, layout)
+        q, zeros, scales, input_scale = (None if t is None else t.to(device)
+                                         for t in (qw.q, qw.zeros, qw.scales, getattr(qw, "input_scale", None)))
+        packed = fmt.pack(q, zeros, scales, layout, input_scale=input_scale)
         for key, t in packed.items():
             out[f"{name}.{key}"] = t.cpu()
     return out
@@ -157,7 +158,8 @@ def write_export(
 
     def checked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in (tensors.items() if isinstance(tensors, Mapping) else tensors):
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            # (e4m3 has no isfinite; its NaN survives the cast to fp16)
+            if t.is_floating_point() and not torch.isfinite(t if t.element_size() > 1 else t.half()).all():
                 raise ValueError(f"refusing to write a checkpoint with NaN or Inf values (in {name})")
             yield rename(name), t
         extra.update((extra_tensor_files() if callable(extra_tensor_files) else extra_tensor_files) or {})

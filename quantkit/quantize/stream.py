@@ -1,7 +1,7 @@
 """The one pass behind `quantize()`: block by block, load → quantize → pack → release.
 
 Per decoder block, on the accelerator when there is one: its weights are loaded (read from the
-checkpoint's files for a model loaded with `lazy_blocks`), quantized (AWQ or RTN), its codes packed
+checkpoint's files for a model loaded with `lazy_blocks`), quantized (AWQ, RTN or FP8), its codes packed
 into the export format there, and only the packed tensors go back to the host, where the checkpoint
 writer takes them into the shard being filled; then the block's weights are released. When KV
 statistics are wanted, a few windows' hidden states follow the quantized blocks and each block's
@@ -25,6 +25,7 @@ from quantkit.models.lazy import BlockWeights
 from quantkit.models.loading import LoadedModel
 from quantkit.quantize.awq import activation_dtype, awq_blocks, resolve_device
 from quantkit.quantize.export import ExtraFiles, block_tensors, stem_tensors
+from quantkit.quantize.fp8 import fp8_blocks
 from quantkit.quantize.kv_stats import BlockKVStats
 from quantkit.quantize.rtn import rtn_blocks
 
@@ -51,7 +52,7 @@ def _return_freed_host_memory() -> None:
 class BlockPass:
     """The checkpoint's tensors of `loaded` under `config`, produced block by block by `tensors()`.
 
-    `windows` are the calibration windows (None for RTN, unless it learns its rounding, and int8);
+    `windows` are the calibration windows (None for RTN, unless it learns its rounding, int8 and dynamic FP8);
     `kv_windows`, when given, are the windows whose K/V ranges become `kv_stats`. Phase times go
     into `seconds`."""
 
@@ -65,6 +66,8 @@ class BlockPass:
     def _blocks(self, device: torch.device, dtype: torch.dtype):
         model, spec, cfg = self.loaded.model, self.loaded.spec, self.config
         weights = self.loaded.blocks or BlockWeights()
+        if cfg.method == "fp8":
+            return fp8_blocks(model, spec, cfg, self.windows, self.report, weights, progress=self.progress)
         if cfg.calibrated:  # AWQ, or RTN with learned rounding: the calibrated pass
             return awq_blocks(model, spec, cfg, self.windows, self.report, weights, progress=self.progress)
         return rtn_blocks(model, spec, cfg.weight, device, dtype, weights, progress=self.progress)

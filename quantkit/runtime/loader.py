@@ -1,4 +1,4 @@
-"""`load()`: a packed checkpoint → a transformers model whose linears are QuantLinear modules."""
+"""`load()`: a packed checkpoint → a transformers model whose linears are QuantLinear (or Fp8Linear) modules."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from quantkit.config import check_device
 from quantkit.formats.checkpoint import CheckpointError, read_safetensors
 from quantkit.formats.compressed_tensors import KV_SCALE_NAMES
-from quantkit.formats.registry import FORMATS, UnsupportedFormat, format_of
+from quantkit.formats.registry import QUANT_METHODS, UnsupportedFormat, format_of
 from quantkit.kernels.settings import KernelSettings
+from quantkit.nn.fp8_linear import Fp8Linear
 from quantkit.nn.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,9 @@ def read_quant_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({getattr(exc, 'msg', exc)}{where}): "
                               "repair it or re-create the checkpoint") from None
     qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    if not qc or qc.get("quant_method") not in FORMATS:
-        raise CheckpointError(f"{path} is not a quantized checkpoint (no {' or '.join(FORMATS)} "
-                              "quantization_config); quantize it first with `quantkit rtn|int8|awq`")
+    if not qc or qc.get("quant_method") not in QUANT_METHODS:
+        raise CheckpointError(f"{path} is not a quantized checkpoint (no {' or '.join(QUANT_METHODS)} "
+                              "quantization_config); quantize it first with `quantkit rtn|int8|awq|fp8`")
     try:
         format_of(qc)
     except UnsupportedFormat as exc:
@@ -62,7 +63,7 @@ def _replace_linears(model: torch.nn.Module, sd: dict[str, torch.Tensor], qc: di
 
     fmt = format_of(qc)
     layout = fmt.read_layout(qc)
-    names = [key.rpartition(".")[0] for key in sd if key.rpartition(".")[2] == fmt.tensor_names[0]]
+    names = [key.rpartition(".")[0] for key in sd if key.rpartition(".")[2] == fmt.marker]
     for name in names:
         part = {t: sd.pop(f"{name}.{t}") for t in (*fmt.tensor_names, "bias") if f"{name}.{t}" in sd}
         parent_name, _, child = name.rpartition(".")
@@ -134,6 +135,8 @@ def load(
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.cache_dequantized, module.kernels = cache, kernels
+        elif isinstance(module, Fp8Linear):
+            module.cache_dequantized = cache
     if (path / "generation_config.json").is_file():
         # The export's EOS list (e.g. a chat model's end-of-turn token) and sampling defaults;
         # from_config alone would leave only the config's single eos_token_id.

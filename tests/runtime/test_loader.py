@@ -97,7 +97,10 @@ def config_dir(tmp_path, text):
     ({**AWQ_QC, "version": "gemv"}, "AWQ version 'gemv' is not supported, only 'gemm'"),
     ({**AWQ_QC, "version": "gemv_fast"}, "AWQ version 'gemv_fast' is not supported"),
     ({**AWQ_QC, "bits": 3}, "AWQ with 3 bits is not supported"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "format 'float-quantized' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "sparse-bitmask"}, "format 'sparse-bitmask' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}},
+     "strategy 'block' are not supported"),
 ])
 def test_layouts_it_cannot_run_are_refused_at_load(tmp_path, qc, needle):
     d = config_dir(tmp_path, {"model_type": "llama", "quantization_config": qc})

@@ -1,0 +1,72 @@
+"""Fp8Linear: a linear layer with e4m3 weights and activations (compressed-tensors float-quantized).
+
+Buffers, named as the checkpoint's tensors so a state dict loads straight into it: `weight`
+float8_e4m3fn [out, in], `weight_scale` float32 [out, 1] or [1], and with static activations
+`input_scale` float32 [1]. Forward: the activations are rounded onto the e4m3 grid per token (dynamic)
+or under `input_scale` (static), then multiplied by the dequantized weight — what an FP8 GEMM with
+those scales computes, by plain torch ops (kernels.reference.fp8_linear), on every device for now.
+
+Its own module rather than a layout of QuantLinear: QuantLinear holds integer codes whose kernels
+dequantize weights and keep activations in 16 bits; this layer's weights need no unpacking, its
+activations are quantized too, and its GPU path (a scaled FP8 matrix product) shares nothing with
+the integer kernels that QuantLinear's dispatch picks among.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit.kernels import reference
+
+ACTIVATIONS = ("dynamic", "static")
+
+
+class Fp8Linear(nn.Module):
+    """y = q(x) Wᵀ + b, W = float(weight) · weight_scale; q rounds x to e4m3 per token or per tensor."""
+
+    LAYOUT = "fp8"
+
+    def __init__(self, in_features: int, out_features: int, activations: str = "dynamic", layout: str = LAYOUT,
+                 per_tensor: bool = False, bias: bool = False, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"unknown activation scheme {activations!r}; expected one of {ACTIVATIONS}")
+        if layout != self.LAYOUT:
+            raise ValueError(f"Fp8Linear holds the {self.LAYOUT!r} layout, not {layout!r}")
+        self.in_features, self.out_features, self.activations = in_features, out_features, activations
+        kw = {"device": device}
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, **kw))
+        self.register_buffer("weight_scale", torch.empty((1,) if per_tensor else (out_features, 1), dtype=torch.float32, **kw))
+        if activations == "static":
+            self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32, **kw))
+        else:
+            self.input_scale = None
+        if bias:
+            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, **kw))
+        else:
+            self.bias = None
+        # Keep the dequantized weight after its first use (CPU evaluation: speed over memory).
+        self.cache_dequantized = False
+        self._cached_weight: torch.Tensor | None = None
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(): the cached weight would be stale
+        self._cached_weight = None
+        return super()._apply(fn, recurse)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """W [out, in] in float32."""
+        return reference.dequantize_fp8(self.weight, self.weight_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._cached_weight
+        if weight is None or weight.device != x.device:
+            weight = self.dequantized_weight().to(x.device)
+            if self.cache_dequantized:
+                self._cached_weight = weight
+        return reference.fp8_linear(x, weight, self.input_scale, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"activations={self.activations}, bias={self.bias is not None}")
