@@ -22,6 +22,7 @@ from torch import nn
 from quantkit.config import UserError
 from quantkit.engine import weights
 from quantkit.engine.model import DecoderModel
+from quantkit.formats.fp8 import Fp8Layout
 from quantkit.formats.layout import WeightLayout
 from quantkit.formats.registry import FORMATS
 from quantkit.models.registry import spec_for_config
@@ -57,11 +58,11 @@ SHAPES: dict[str, dict] = {
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0),
 }
 GROUP_SIZE = 128
-WEIGHTS = ("w4", "w8", "fp16")
-# quantization_config of each quantized kind, as quantkit's exports write it.
+WEIGHTS = ("w4", "w8", "fp8", "fp16")
 QUANT = {  # weights kind → the export format and layout its random tensors take
     "w4": (FORMATS["awq"], WeightLayout(4, GROUP_SIZE, symmetric=False)),
     "w8": (FORMATS["compressed-tensors"], WeightLayout(8, -1, symmetric=True)),
+    "fp8": (FORMATS["float-quantized"], Fp8Layout()),  # FP8_DYNAMIC: e4m3 per channel, activations per token
 }
 
 
@@ -100,11 +101,12 @@ def _linear_dims(model: DecoderModel) -> dict[str, tuple[int, int, bool]]:
 
 class RandomTensors:
     """A checkpoint reader whose tensors are made on `device` when read (seeded per tensor name): those
-    of `config`'s model with fp weights, or quantized (`bits` 4: AWQ gemm group 128; 8: per channel)."""
+    of `config`'s model with fp weights, or quantized (`bits` 4: AWQ gemm group 128; 8: per channel;
+    `fp8`: e4m3 weights with a scale per channel)."""
 
     def __init__(self, config, quantized: bool, device: torch.device, dtype: torch.dtype, bits: int = 4,
-                 model: Optional[DecoderModel] = None) -> None:
-        self.device, self.dtype, self.bits = device, dtype, bits
+                 model: Optional[DecoderModel] = None, fp8: bool = False) -> None:
+        self.device, self.dtype, self.bits, self.fp8 = device, dtype, bits, fp8
         if model is None:
             with torch.device("meta"):
                 model = DecoderModel(config)
@@ -121,8 +123,10 @@ class RandomTensors:
         for name, (out_f, in_f, bias) in _linear_dims(model).items():
             p = "model.layers.0." + name
             self.linears[p] = (out_f, in_f)
-            if not quantized:
+            if not quantized or fp8:
                 self.shapes[p + ".weight"] = (out_f, in_f)
+                if fp8:
+                    self.shapes[p + ".weight_scale"] = (out_f, 1)
             elif bits == 4:
                 if in_f % GROUP_SIZE:
                     raise UserError(f"{name} has {in_f} inputs, not whole groups of {GROUP_SIZE}: use w8 or fp16")
@@ -161,7 +165,11 @@ class RandomTensors:
         if name.endswith(".scales"):
             return (torch.rand(shape, device=dev, generator=g) * 0.002 + 0.001).to(torch.float16)
         if name.endswith(".weight_scale"):
+            if self.fp8:  # e4m3 values of N(0, 50²) times 1–3e-4: weights within ±0.1, σ ≈ 0.01
+                return (torch.rand(shape, device=dev, generator=g) * 0.0002 + 0.0001).float()
             return (torch.rand(shape, device=dev, generator=g) * 0.0002 + 0.0001).to(torch.float16)
+        if self.fp8 and name.endswith(".weight") and name.rpartition(".")[0] in self.linears:
+            return (torch.randn(shape, device=dev, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=self.dtype, device=dev)
         return (torch.randn(shape, device=dev, generator=g) * 0.02).to(self.dtype)
@@ -169,13 +177,15 @@ class RandomTensors:
 
 def random_model(config, weights_kind: str, device: torch.device, dtype: torch.dtype) -> DecoderModel:
     """The engine's DecoderModel for `config` on `device`, random weights of `weights_kind`: "w4" (AWQ
-    gemm, group 128), "w8" (8-bit per channel, compressed-tensors) or "fp16" (the model dtype)."""
+    gemm, group 128), "w8" (8-bit per channel, compressed-tensors), "fp8" (e4m3 per channel, activations per
+    token: compressed-tensors float-quantized) or "fp16" (the model dtype)."""
     if weights_kind not in WEIGHTS:
         raise UserError(f"unknown weights {weights_kind!r}: use one of {', '.join(WEIGHTS)}")
     quant = QUANT.get(weights_kind)
     with torch.device("meta"):
         model = DecoderModel(config)
-    reader = RandomTensors(config, quant is not None, device, dtype, 8 if weights_kind == "w8" else 4, model)
+    reader = RandomTensors(config, quant is not None, device, dtype, 8 if weights_kind == "w8" else 4, model,
+                           fp8=weights_kind == "fp8")
     fmt, layout = quant or (None, None)
     ckpt = weights.Checkpoint(Path(f"<random {model.family} {weights_kind}>"), config, reader, format=fmt, layout=layout)
     weights.load_weights(model, ckpt, device, dtype)

@@ -128,3 +128,19 @@ def test_seed_table_script_tiny(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["weights"] for r in rows] == ["fp16", "w8", "w4"] and all(r["decode_tok_s"] > 0 for r in rows)
     assert "Characters/s is not given" in proc.stdout
+
+
+def test_fp8_random_model_runs_in_the_engine():
+    """`random:SHAPE:fp8`: e4m3 weights with a scale per channel and activations per token (FP8_DYNAMIC),
+    small enough that a whole engine decodes finite logits; the benches take it like the other kinds."""
+    from quantkit.engine.benchmark import BenchSetup, latency
+    from quantkit.nn.fp8_linear import Fp8Linear
+
+    model = random_model(config_for(TINY["qwen"]), "fp8", CPU, torch.float32)
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp8Linear) and down.weight.dtype == torch.float8_e4m3fn and down.activations == "dynamic"
+    w = down.dequantized_weight()
+    assert 5e-3 < w.std() < 0.05 and w.abs().max() < 0.1
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None  # the bias stays beside the e4m3 weight
+    row = latency(BenchSetup(tiny=True, weights="fp8"), prompt_len=8, output_len=6, runs=1)
+    assert row["weights"] == "fp8" and row["decode_tok_s"] > 0
