@@ -21,11 +21,11 @@ from typing import Any, Optional
 import torch
 
 from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout
+from quantkit.packing import E4M3_MAX as FP8_E4M3_MAX  # noqa: F401  (vLLM's fp8 KV scales: absmax / 448)
 from quantkit.packing import pack_words, unpack_words
 
 TENSOR_NAMES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 KV_SCALE_NAMES = ("k_scale", "v_scale")
-FP8_E4M3_MAX = 448.0  # the largest finite float8 e4m3 value: absmax maps onto it
 
 
 def pack_compressed(

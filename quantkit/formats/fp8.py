@@ -20,10 +20,10 @@ import torch
 
 from quantkit.config import FP8_FORMAT, QuantizeConfig
 from quantkit.formats.layout import Tensors, WeightFormat, WeightLayout
+from quantkit.packing import E4M3_MAX, dequantize_fp8, encode_e4m3  # noqa: F401  (this format's encoding)
 
 QUANT_METHOD = "compressed-tensors"
 TENSOR_NAMES = ("weight", "weight_scale", "input_scale")
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: absmax maps onto it
 WEIGHT_STRATEGIES = ("channel", "tensor")
 ACTIVATIONS = {"dynamic": "token", "static": "tensor"}  # our scheme → compressed-tensors' activation strategy
 
@@ -40,11 +40,6 @@ class Fp8Layout(WeightLayout):
     activations: str = "dynamic"
 
 
-def encode_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale rounded to the nearest e4m3 value (saturated at ±448: the cast itself makes NaN there)."""
-    return (x.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-
-
 def pack_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> Tensors:
     """One linear's tensors from its e4m3 weight [out, in] and fp32 scales ([out, 1] or [1]; input [1])."""
     if weight.dtype != torch.float8_e4m3fn:
@@ -53,12 +48,6 @@ def pack_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Opti
     if input_scale is not None:
         out["input_scale"] = input_scale.to(torch.float32).reshape(1).contiguous()
     return out
-
-
-def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """W [out, in] in float32: float(weight) · weight_scale (per channel [out, 1] or per tensor [1])."""
-    scale = weight_scale.float()
-    return weight.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1))
 
 
 def _args(strategy: str, dynamic: bool, observer: Optional[str]) -> dict[str, Any]:

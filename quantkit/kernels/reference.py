@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.packing import AWQ_ORDER, unpack_words
+from quantkit.packing import AWQ_ORDER, E4M3_MAX, FP8_MIN_SCALE, dequantize_fp8, encode_e4m3, unpack_words  # noqa: F401
 
 
 def awq_ints(packed: torch.Tensor) -> torch.Tensor:
@@ -54,27 +54,17 @@ def dequantize_packed(
 
 # FP8 (e4m3) W8A8, compressed-tensors float-quantized: what the GPU's scaled matrix product computes, by
 # plain torch ops (the emulation the CPU runs, and the oracle of any FP8 kernel).
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-# vLLM's floor on a per-token scale (448 · 512)⁻¹: an all-zero token still divides by a positive number.
-FP8_MIN_TOKEN_SCALE = 1.0 / (E4M3_MAX * 512.0)
-
-
-def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """W [out, in] in float32 from an e4m3 weight and its scale ([out, 1] per channel or [1] per tensor)."""
-    scale = weight_scale.float()
-    return weight.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1))
 
 
 def fp8_activation_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per-token scales [..., 1], float32: each token's largest |x| / 448 (floored at FP8_MIN_TOKEN_SCALE)."""
-    return (x.float().abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(FP8_MIN_TOKEN_SCALE)
+    """Per-token scales [..., 1], float32: each token's largest |x| / 448 (floored at FP8_MIN_SCALE)."""
+    return (x.float().abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(FP8_MIN_SCALE)
 
 
 def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x rounded onto the e4m3 grid under `scale` (per token [..., 1], or per tensor [1]) and back, float32:
     the values the FP8 GEMM multiplies, times their scale."""
-    s = scale.float()
-    return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+    return encode_e4m3(x, scale).float() * scale.float()
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None,

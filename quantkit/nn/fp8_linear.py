@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from quantkit.kernels import reference
+from quantkit.nn.quant_linear import add_bias_and_weight_cache
 
 ACTIVATIONS = ("dynamic", "static")
 
@@ -43,13 +44,7 @@ class Fp8Linear(nn.Module):
             self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32, **kw))
         else:
             self.input_scale = None
-        if bias:
-            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, **kw))
-        else:
-            self.bias = None
-        # Keep the dequantized weight after its first use (CPU evaluation: speed over memory).
-        self.cache_dequantized = False
-        self._cached_weight: torch.Tensor | None = None
+        add_bias_and_weight_cache(self, out_features, bias, dtype, kw)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(): the cached weight would be stale
         self._cached_weight = None

@@ -19,6 +19,17 @@ from quantkit.kernels.settings import AUTO, KernelSettings
 LAYOUTS = ("awq", "packed")
 
 
+def add_bias_and_weight_cache(layer: nn.Module, out_features: int, bias: bool, dtype: torch.dtype, kw: dict) -> None:
+    """A packed linear's optional `bias` buffer, and the dequantized weight its reference path may keep
+    after the first use (`cache_dequantized`: CPU evaluation, speed over memory)."""
+    if bias:
+        layer.register_buffer("bias", torch.empty(out_features, dtype=dtype, **kw))
+    else:
+        layer.bias = None
+    layer.cache_dequantized = False
+    layer._cached_weight = None
+
+
 class QuantLinear(nn.Module):
     """y = x Wᵀ + b with W = (q − z) · s held packed; see the module docstring for the layouts."""
 
@@ -63,13 +74,7 @@ class QuantLinear(nn.Module):
                 self.register_buffer(
                     "weight_zero_point", torch.empty(-(-out_features // per_word), groups, dtype=torch.int32, **kw)
                 )
-        if bias:
-            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, **kw))
-        else:
-            self.bias = None
-        # The reference path may keep its dequantized weight (CPU evaluation: speed over memory).
-        self.cache_dequantized = False
-        self._cached_weight: torch.Tensor | None = None
+        add_bias_and_weight_cache(self, out_features, bias, dtype, kw)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(), …: the kernel layout is rebuilt lazily
         self.__dict__.pop("_kernel_weights", None)

@@ -16,16 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from quantkit.config import QuantizeConfig
-from quantkit.formats.fp8 import E4M3_MAX, dequantize_fp8, encode_e4m3
 from quantkit.models.lazy import BlockWeights
 from quantkit.models.registry import ArchSpec
+from quantkit.packing import E4M3_MAX, FP8_MIN_SCALE, dequantize_fp8, encode_e4m3
 from quantkit.quantize.awq import activation_dtype, resolve_device
 from quantkit.quantize.calibration import BlockInputs, call_layer, capture_inputs
 from quantkit.quantize.primitives import QuantizedWeight
 from quantkit.quantize.rtn import QuantizedBlock, decoder_layers
 
-# The smallest scale: an all-zero row or input still gets a positive one (vLLM reads ≤ 0 as absent).
-MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
 
 
 @dataclass
@@ -42,7 +40,7 @@ class Fp8Weight(QuantizedWeight):
 def weight_scale(w: torch.Tensor, strategy: str) -> torch.Tensor:
     """absmax / 448 of W [out, in], float32: [out, 1] per channel, [1] per tensor."""
     absmax = w.float().abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.float().abs().amax().reshape(1)
-    return (absmax / E4M3_MAX).clamp_min(MIN_SCALE)
+    return (absmax / E4M3_MAX).clamp_min(FP8_MIN_SCALE)
 
 
 def quantize_fp8_weight(w: torch.Tensor, strategy: str) -> Fp8Weight:
@@ -83,7 +81,7 @@ def _static_scales(layer: torch.nn.Module, names: tuple[str, ...], inputs: Block
     missing = [n for n in names if n not in observer.absmax]
     if missing:
         raise RuntimeError(f"block {index}: {', '.join(missing)} saw no input during calibration")
-    return {n: (observer.absmax[n] / E4M3_MAX).clamp_min(MIN_SCALE).reshape(1) for n in names}
+    return {n: (observer.absmax[n] / E4M3_MAX).clamp_min(FP8_MIN_SCALE).reshape(1) for n in names}
 
 
 @torch.no_grad()
