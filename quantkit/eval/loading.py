@@ -26,7 +26,7 @@ class EvalModel:
     name: str
     method: str  # "fp", "rtn", "int8", "awq", …
     bits: int  # bits per weight (16 for fp)
-    group_size: Optional[int]  # None for fp; -1 for one group per output channel
+    group_size: Optional[int]  # None for fp; -1 for one scale per output channel, 0 for one per tensor
     size_bytes: int
     size_note: str = ""
     reference: bool = False  # transformers' modeling code instead of the engine's
@@ -59,7 +59,7 @@ def _weight_fields(path: Path) -> tuple[str, int, Optional[int]]:
     report = path / "quant_report.json"
     if report.is_file():
         method = json.loads(report.read_text()).get("method", method)
-    return method, layout.bits, layout.group_size
+    return method, layout.bits, layout.scale_group
 
 
 def _describe(p: Path, model: Any, tokenizer: Any, reference: bool) -> EvalModel:

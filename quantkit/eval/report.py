@@ -48,9 +48,7 @@ class Comparison:
 
 
 def _group(row: ModelRow) -> str:
-    if row.group_size is None:
-        return "—"
-    return "channel" if row.group_size == -1 else str(row.group_size)
+    return {None: "—", -1: "channel", 0: "tensor"}.get(row.group_size, str(row.group_size))
 
 
 def table_rows(result: Comparison) -> tuple[list[str], list[list[str]]]:

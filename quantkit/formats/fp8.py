@@ -39,6 +39,10 @@ class Fp8Layout(WeightLayout):
     weight_strategy: str = "channel"
     activations: str = "dynamic"
 
+    @property
+    def scale_group(self) -> int:
+        return 0 if self.weight_strategy == "tensor" else -1
+
 
 def pack_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> Tensors:
     """One linear's tensors from its e4m3 weight [out, in] and fp32 scales ([out, 1] or [1]; input [1])."""

@@ -24,6 +24,12 @@ class WeightLayout:
     group_size: int
     symmetric: bool
 
+    @property
+    def scale_group(self) -> int:
+        """Inputs per weight scale, as reports show it: the group size, -1 one per output channel, 0 one per
+        tensor."""
+        return self.group_size
+
 
 class WeightFormat:
     """One on-disk format of packed weights; `name` is its registry key (and `--format`), `quant_method`

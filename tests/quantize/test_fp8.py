@@ -192,3 +192,14 @@ def test_fp8_refuses_integer_weight_settings_and_needs_text_when_static(tiny_mod
         quantkit.quantize(str(tiny_models["llama"]), fp8_config("static", "tensor"), calib=None,
                           work_dir=tmp_path / "q", progress=False)
     assert not (tmp_path / "q").exists() or not any((tmp_path / "q").iterdir())
+
+
+@pytest.mark.parametrize("name, shown", [("dynamic-channel", "channel"), ("dynamic-tensor", "tensor")])
+def test_reports_show_the_weight_scale_granularity(exports, name, shown):
+    """The comparison table's group column says per channel or per tensor, as the export records it."""
+    from quantkit.eval.loading import load_engine_model
+    from quantkit.eval.report import _group
+
+    em = load_engine_model(exports("llama", name), "cpu")
+    assert (em.method, em.bits) == ("fp8", 8)
+    assert _group(em) == shown
