@@ -237,23 +237,9 @@ def test_generate_runs_on_the_engine(tiny_models, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
-def test_dtype_flag_reaches_the_engine_config(command, tmp_path, monkeypatch, capsys):
+def test_dtype_flag_reaches_the_engine_config(command, monkeypatch, capsys, engine_config_of):
     """--dtype goes to EngineConfig.dtype (auto when not given); another value is one line, before any load."""
-    import quantkit.engine.chat
-    import quantkit.engine.pipeline
-    import quantkit.server.launch
-
-    seen = []
-    if command == "generate":
-        monkeypatch.setattr(quantkit.engine.pipeline, "pipeline",
-                            lambda path, config: seen.append(config) or (lambda *a, **k: []))
-        argv = ["generate", str(tmp_path), "hi"]
-    elif command == "chat":
-        monkeypatch.setattr(quantkit.engine.chat, "chat", lambda model, config, *a: seen.append(config))
-        argv = ["chat", str(tmp_path)]
-    else:
-        monkeypatch.setattr(quantkit.server.launch, "serve", lambda config: seen.append(config.engine))
-        argv = ["serve", str(tmp_path)]
+    seen, argv = engine_config_of(command)
     for extra, want in (([], "auto"), (["--dtype", "bfloat16"], "bfloat16"), (["--dtype", "float16"], "float16")):
         code, _, err = run_cli([*argv, "--device", "cpu", *extra], monkeypatch, capsys)
         assert code in (0, None), err

@@ -43,23 +43,9 @@ def test_each_engine_flag_has_one_help_text_and_default(flag):
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
-def test_the_kv_flags_reach_the_engine_config(command, tmp_path, monkeypatch):
+def test_the_kv_flags_reach_the_engine_config(command, tmp_path, engine_config_of):
     """serve passes --kv-rotation and --kv-stats on as chat and generate do."""
-    import quantkit.engine.chat
-    import quantkit.engine.pipeline
-    import quantkit.server.launch
-
-    seen = []
-    if command == "generate":
-        monkeypatch.setattr(quantkit.engine.pipeline, "pipeline",
-                            lambda path, config: seen.append(config) or (lambda *a, **k: []))
-        argv = ["generate", str(tmp_path), "hi"]
-    elif command == "chat":
-        monkeypatch.setattr(quantkit.engine.chat, "chat", lambda model, config, *a: seen.append(config))
-        argv = ["chat", str(tmp_path)]
-    else:
-        monkeypatch.setattr(quantkit.server.launch, "serve", lambda config: seen.append(config.engine))
-        argv = ["serve", str(tmp_path)]
+    seen, argv = engine_config_of(command)
     stats = str(tmp_path / "kv_stats.safetensors")
     result = CliRunner().invoke(app, [*argv, "--device", "cpu", "--kv-bits", "4", "--kv-scales", "static",
                                       "--kv-stats", stats, "--kv-rotation", "none"])

@@ -40,6 +40,9 @@ class FakeOpenAI:
     finished: list[int] = field(default_factory=list)  # ... of streams sent to the end
 
     def __post_init__(self) -> None:
+        # The script a test gives must be one the clients can meet: words to stream, an error status.
+        assert self.words and self.delay >= 0, "FakeOpenAI needs words to stream and a delay ≥ 0"
+        assert self.fail is None or 400 <= self.fail[0] < 600, f"fail needs an HTTP error status: {self.fail}"
         fake = self
 
         class Handler(BaseHTTPRequestHandler):

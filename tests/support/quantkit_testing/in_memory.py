@@ -23,7 +23,15 @@ def awq_quantize(model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig,
     for qb in awq_blocks(model, spec, config, windows, report, progress=progress):
         out.update({name: QuantizedWeight(qw.q.cpu(), qw.zeros.cpu(), qw.scales.cpu(), qw.bits, qw.group_size)
                     for name, qw in qb.qweights.items()})
+    _assert_registry_linears(out, model, spec)
     return out
+
+
+def _assert_registry_linears(qweights: dict, model: torch.nn.Module, spec: ArchSpec) -> None:
+    """The codes a pass returns are for the registry's linears of the model's blocks, nothing else (a test may
+    stub the quantization out, so not necessarily all of them)."""
+    want = {f"{spec.layers_path}.{i}.{name}" for i in range(len(decoder_layers(model, spec))) for name in spec.linears}
+    assert set(qweights) <= want, f"codes for {sorted(set(qweights) - want)[:4]}, not registry linears"
 
 
 def rtn_quantize(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig) -> dict[str, QuantizedWeight]:
@@ -32,6 +40,7 @@ def rtn_quantize(model: torch.nn.Module, spec: ArchSpec, cfg: WeightQuantConfig)
     out: dict[str, QuantizedWeight] = {}
     for i, layer in enumerate(decoder_layers(model, spec)):
         out.update(quantize_block_linears(layer, spec, f"{spec.layers_path}.{i}", cfg))
+    _assert_registry_linears(out, model, spec)
     return out
 
 
@@ -40,6 +49,7 @@ def checkpoint_tensors(model: torch.nn.Module, qweights: dict[str, QuantizedWeig
     (what the streaming export writes block by block)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     replaced = {f"{name}.weight" for name in qweights} | ({"lm_head.weight"} if tied else set())
+    assert replaced <= set(model.state_dict()), "a quantized linear the model does not have"
     out = {key: t.detach().to(torch.float16).contiguous() if t.is_floating_point() else t.detach().contiguous()
            for key, t in model.state_dict().items() if key not in replaced}
     return out | packed_tensors(qweights, config)

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -42,8 +43,7 @@ class FaultDir:
         if _take(self.dir / "crash"):
             raise RuntimeError("injected fault: the step failed")
         if _take(self.dir / "stall"):
-            while True:
-                time.sleep(3600)
+            threading.Event().wait()  # hangs: nothing ever sets it (the server's watchdog must notice)
 
 
 def _take(path: Path) -> bool:
