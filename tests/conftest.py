@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 TEST_DEPENDENCIES = ("torch", "transformers", "typer", "safetensors", "tqdm", "triton", "aiohttp", "playwright")
+# `pytest -m gpu tests/gpu` runs the engine and its kernels only: a GPU machine needs no browser or server stack.
+GPU_TEST_DEPENDENCIES = ("torch", "transformers", "safetensors", "tqdm", "triton")
 
 
 @pytest.fixture
@@ -38,7 +40,8 @@ def engine_config_of(monkeypatch, tmp_path):
 
 def pytest_configure(config):
     # A Python without the test dependencies gets one line saying how to get them, not an error per file.
-    missing = [m for m in TEST_DEPENDENCIES if importlib.util.find_spec(m) is None]
+    needed = GPU_TEST_DEPENDENCIES if config.option.markexpr == "gpu" else TEST_DEPENDENCIES
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         pytest.exit(f"this Python lacks {', '.join(missing)}: run `bash .ci/run` (a fresh environment with "
                     "everything), or install torch for your platform and then `pip install -e '.[dev]'`", returncode=4)
