@@ -14,14 +14,16 @@ queries at positions p ≥ L multiplied by log_L(p + 1) after the rotation, a fa
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from quantkit.config import UserError
 from quantkit.kernels import fused
+from quantkit.kernels.fp8 import Fp8Activations
 from quantkit.kernels.settings import AUTO, KernelSettings
+from quantkit.nn.fp8_linear import Fp8Linear
 
 # RoPE variants whose frequencies depend on the position only (one table serves every sequence).
 _TABLE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -35,10 +37,26 @@ def use_kernels(model: nn.Module, kernels: KernelSettings) -> None:
             module.kernels = kernels
 
 
+def feeds_fp8(producer: nn.Module, consumer: nn.Module) -> None:
+    """Let `producer` (an RMSNorm or SiluAndMul) hand `consumer` its output quantized for it, in one fused
+    op, when `consumer` is an FP8 linear (its activations per token, or under its static input_scale)."""
+    # A plain attribute, not a submodule: the consumer stays where it is in the module tree.
+    object.__setattr__(producer, "fp8_input_of", consumer if isinstance(consumer, Fp8Linear) else None)
+
+
+def _as_fp8(out, dtype: torch.dtype):
+    """(q, scale) of a quantizing fused op → Fp8Activations; with a residual, ((q, scale), h)."""
+    if isinstance(out[0], tuple):
+        return Fp8Activations(*out[0], dtype), out[1]
+    return Fp8Activations(*out, dtype)
+
+
 class RMSNorm(nn.Module):
-    """y = x / rms(x) · w (fp32 inside); with `residual`, adds it first and returns (y, x + residual)."""
+    """y = x / rms(x) · w (fp32 inside); with `residual`, adds it first and returns (y, x + residual).
+    Linked to an FP8 linear (feeds_fp8), y comes as its Fp8Activations."""
 
     kernels: KernelSettings = AUTO
+    fp8_input_of: Optional[Fp8Linear] = None
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -46,14 +64,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return fused.rms_norm(x, self.weight, self.eps, residual, self.kernels)
+        into = self.fp8_input_of
+        if into is None:
+            return fused.rms_norm(x, self.weight, self.eps, residual, self.kernels)
+        return _as_fp8(fused.rms_norm(x, self.weight, self.eps, residual, self.kernels, True, into.input_scale),
+                       x.dtype)
 
 
 class SiluAndMul(nn.Module):
-    kernels: KernelSettings = AUTO
+    """silu(gate) · up; linked to an FP8 linear (feeds_fp8), as its Fp8Activations."""
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return fused.silu_mul(gate_up, self.kernels)
+    kernels: KernelSettings = AUTO
+    fp8_input_of: Optional[Fp8Linear] = None
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | Fp8Activations:
+        into = self.fp8_input_of
+        if into is None:
+            return fused.silu_mul(gate_up, self.kernels)
+        return _as_fp8(fused.silu_mul(gate_up, self.kernels, True, into.input_scale), gate_up.dtype)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from torch import nn
 from quantkit.config import UserError
 from quantkit.engine import weights
 from quantkit.engine.attention import Attention, AttnMetadata
-from quantkit.engine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from quantkit.engine.layers import RMSNorm, RotaryEmbedding, SiluAndMul, feeds_fp8
 from quantkit.formats.registry import FORMATS
 from quantkit.models.registry import ArchSpec, spec_for_config
 
@@ -107,6 +107,12 @@ class DecoderLayer(nn.Module):
         hidden = attn.o_proj(attn_out.reshape(-1, attn.q_size))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def link_fp8_inputs(self) -> None:
+        """The norms and SiLU·mul quantize for the FP8 linears they feed (layers.feeds_fp8)."""
+        feeds_fp8(self.input_layernorm, self.self_attn.qkv_proj)
+        feeds_fp8(self.post_attention_layernorm, self.mlp.gate_up_proj)
+        feeds_fp8(self.mlp.act, self.mlp.down_proj)
 
     def forward(self, hidden, residual, rope_rows, meta: AttnMetadata):
         q, k, v, residual = self.begin(hidden, residual, rope_rows)

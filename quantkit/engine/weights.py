@@ -214,6 +214,9 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, device: torch.device, dtype
     _check_all_used(tensors, ckpt.directory)
     if model.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # the ops in front of FP8 linears quantize for them (layers.feeds_fp8)
+        if hasattr(module, "link_fp8_inputs"):
+            module.link_fp8_inputs()
 
 
 def _check_all_used(tensors: dict, where: Path) -> None:

@@ -22,7 +22,7 @@ import triton
 
 from quantkit.kernels import gluon_gemm, triton_gemm, triton_gemv, triton_mma
 from quantkit.kernels.capture import capturing
-from quantkit.kernels.dispatch_table import TABLE, Choice
+from quantkit.kernels.dispatch_table import TABLE, Choice, width_class
 from quantkit.kernels.settings import AUTO, KernelSettings
 from quantkit.kernels.hardware import mma_capable
 from quantkit.kernels.launch import interpreted
@@ -33,15 +33,6 @@ from quantkit.kernels.triton_mma import MmaWeights
 # call costs more host time (two launches, a TMA descriptor) than its GPU time, so back to back the GEMV
 # is faster (bench/KERNELS_NOTES.md). From a CUDA graph, and above this M either way, the GEMM is faster.
 EAGER_GEMV_MAX_M = 64
-
-
-def width_class(n: int, k: int, sms: int) -> str:
-    """A mma-layout layer's class: its width in 16-row tiles per SM, ≤ 2 narrow, ≤ 6 mid, else wide;
-    narrow with K over 8192 is "narrow-long-k"."""
-    rows = triton.cdiv(n, 16)
-    if rows <= 2 * sms:
-        return "narrow-long-k" if k > 8192 else "narrow"
-    return "mid" if rows <= 6 * sms else "wide"
 
 
 def choose(bits: int, m: int, cls: str = "block-planar", gluon: bool = False, table: dict = TABLE) -> Choice:

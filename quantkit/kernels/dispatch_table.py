@@ -55,6 +55,14 @@ def gluon(bm: int, stages: int, rows: int = 64, split: int = 1) -> Choice:
     return Choice("gluon", dict(bm=bm, stages=stages, rows=rows, **({"split": split} if split > 1 else {})))
 
 
+def fp8_dot(block_n: int, block_m: int, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
+            num_stages: int = 4) -> Choice:
+    """The FP8 Triton kernel (triton_fp8.dot): weight rows and tokens per program, K step, K split."""
+    return Choice("fp8-dot", dict(block_n=block_n, block_m=block_m, block_k=block_k, split_k=split_k,
+                                  num_warps=num_warps, num_stages=num_stages))
+
+
+SCALED_MM = Choice("scaled_mm")  # cuBLAS's FP8 product (torch._scaled_mm)
 CUBLAS = Choice("dequant+cublas")  # from M = 64 (W4) or 16 (W8) every block-planar kernel lost to it
 ANY = 1 << 30
 
@@ -124,10 +132,34 @@ TABLE: dict[str, list[tuple[int, Choice]]] = {
         (128, gluon(128, 4, rows=128)),  # gate_up 63.7, dequantize + cuBLAS 128.6
         (1024, gluon(256, 3)),  # gate_up 90.4 (128 rows 96.2) at M = 256, 329.7 (dequantize + cuBLAS 349.0) at 1024
         (ANY, CUBLAS)],
+    # FP8 W8A8 (e4m3 weights and activations): rows by bench/fp8_speed.py --tune.
+    "fp8 narrow": [(16, fp8_dot(64, 16, 128, 4)), (64, fp8_dot(64, 64, 128, 2)), (ANY, SCALED_MM)],
+    "fp8 narrow-long-k": [(16, fp8_dot(64, 16, 128, 8)), (64, fp8_dot(64, 64, 128, 4)), (ANY, SCALED_MM)],
+    "fp8 mid": [(16, fp8_dot(64, 16, 128, 2)), (64, fp8_dot(128, 64, 128, 1)), (ANY, SCALED_MM)],
+    "fp8 wide": [(16, fp8_dot(128, 16, 128, 1)), (64, fp8_dot(128, 64, 128, 1)), (ANY, SCALED_MM)],
 }
 
 
-METHODS = {"block-planar": {"gemv", "gemm", "dequant+cublas"}, "mma": {"mma", "gluon", "dequant+cublas"}}
+METHODS = {"block-planar": {"gemv", "gemm", "dequant+cublas"}, "mma": {"mma", "gluon", "dequant+cublas"},
+           "fp8": {"fp8-dot", "scaled_mm"}}
+
+
+def choose_fp8(m: int, n: int, k: int, sms: int, table: dict = TABLE, triton_only: bool = False) -> Choice:
+    """The table's kernel for M rows on an FP8 layer of N outputs and K inputs (its class by
+    dispatch.width_class's rule) on a GPU of `sms` SMs; `triton_only`: the last Triton row at or above M."""
+    rows = table[f"fp8 {width_class(n, k, sms)}"]
+    if triton_only:
+        rows = [(b, c) for b, c in rows if c.method == "fp8-dot"]
+    return next((c for bound, c in rows if m <= bound), rows[-1][1])
+
+
+def width_class(n: int, k: int, sms: int) -> str:
+    """A layer's class: its width in 16-row tiles per SM, ≤ 2 narrow, ≤ 6 mid, else wide; narrow with K
+    over 8192 is "narrow-long-k"."""
+    rows = -(-n // 16)
+    if rows <= 2 * sms:
+        return "narrow-long-k" if k > 8192 else "narrow"
+    return "mid" if rows <= 6 * sms else "wide"
 
 
 def replaced_rows(table: dict, rows: dict, source: str) -> dict:
@@ -144,7 +176,7 @@ def replaced_rows(table: dict, rows: dict, source: str) -> dict:
             raise UserError(f"{source}: {key!r} must hold rows [largest M, {{\"method\", \"params\", "
                             f"\"programs\"}}] ({e}).") from None
         bounds, methods = [b for b, _ in new[key]], {c.method for _, c in new[key]}
-        allowed = METHODS["block-planar" if key.endswith("block-planar") else "mma"]
+        allowed = METHODS["block-planar" if key.endswith("block-planar") else "fp8" if key.startswith("fp8") else "mma"]
         if not new[key] or bounds != sorted(bounds) or new[key][-1][1].method == "gluon" or methods - allowed:
             raise UserError(f"{source}: the rows of {key!r} must be sorted by M, use only {sorted(allowed)} "
                             f"and end with a row that is not \"gluon\".")

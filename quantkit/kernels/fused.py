@@ -12,20 +12,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from quantkit.kernels import reference
+from quantkit.kernels.hardware import fp8_kernels
 from quantkit.kernels.settings import AUTO, KernelSettings
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
-             kernels: KernelSettings = AUTO) -> Tensor | tuple[Tensor, Tensor]:
-    """norm(x) · weight over the last dim; with `residual`, h = x + residual and (norm(h) · weight, h)."""
-    if kernels.triton(x.device):
+             kernels: KernelSettings = AUTO, quantize: bool = False, input_scale: Tensor | None = None):
+    """norm(x) · weight over the last dim; with `residual`, h = x + residual and (norm(h) · weight, h).
+    `quantize`: the normalized output as (q e4m3, scale) for an FP8 linear, per token or under the static
+    `input_scale` (reference.quantize_fp8 of the output in x's dtype)."""
+    if kernels.triton(x.device) and (not quantize or fp8_kernels(x.device)):
         from quantkit.kernels import triton_fused
 
-        return triton_fused.rms_norm(x, weight, eps, residual)
+        return triton_fused.rms_norm(x, weight, eps, residual, quantize, input_scale)
     h = x if residual is None else x + residual
     hf = h.float()
     normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     out = (weight * normed).to(x.dtype)
+    if quantize:
+        out = reference.quantize_fp8(out, input_scale)
     return out if residual is None else (out, h)
 
 
@@ -53,11 +59,16 @@ def apply_rope_(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary
             r.copy_(torch.cat((y1, y2), dim=-1))
 
 
-def silu_mul(gate_up: Tensor, kernels: KernelSettings = AUTO) -> Tensor:
-    """silu(gate_up[..., :I]) · gate_up[..., I:] for gate_up [..., 2I]."""
-    if kernels.triton(gate_up.device):
-        from quantkit.kernels import triton_fused
+def silu_mul(gate_up: Tensor, kernels: KernelSettings = AUTO, quantize: bool = False,
+             input_scale: Tensor | None = None):
+    """silu(gate_up[..., :I]) · gate_up[..., I:] for gate_up [..., 2I]; `quantize`: as (q e4m3, scale), as
+    rms_norm gives them."""
+    if kernels.triton(gate_up.device) and (not quantize or fp8_kernels(gate_up.device)):
+        from quantkit.kernels import triton_fp8, triton_fused
 
+        if quantize:
+            return triton_fp8.silu_mul_quantize(gate_up, input_scale)
         return triton_fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return reference.quantize_fp8(out, input_scale) if quantize else out

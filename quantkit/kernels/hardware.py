@@ -39,3 +39,16 @@ def device_capable(index: int) -> bool:
                 "capability 8.0 or later; using the dequantize path (torch reference)", index, why)
     return False
 
+
+
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: e4m3 tensor-core MMAs and conversions
+
+
+def fp8_kernels(device: torch.device) -> bool:
+    """Whether the FP8 Triton kernels (kernels/triton_fp8.py) run for tensors on `device`, given that the
+    Triton path does: a GPU of compute capability 8.9 or later, or the CPU (the Triton interpreter)."""
+    if device.type != "cuda":
+        return True
+    if torch.version.hip is not None:
+        return False
+    return tuple(torch.cuda.get_device_capability(device)) >= FP8_CAPABILITY

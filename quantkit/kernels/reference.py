@@ -61,16 +61,7 @@ def fp8_activation_scale(x: torch.Tensor) -> torch.Tensor:
     return (x.float().abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(FP8_MIN_SCALE)
 
 
-def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x rounded onto the e4m3 grid under `scale` (per token [..., 1], or per tensor [1]) and back, float32:
-    the values the FP8 GEMM multiplies, times their scale."""
-    return encode_e4m3(x, scale).float() * scale.float()
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = q(x) Wᵀ + b in float32 with W [out, in] already dequantized (float32) and q the activations'
-    e4m3 rounding: per token at run time (`input_scale` None) or under the static per-tensor scale."""
-    scale = fp8_activation_scale(x) if input_scale is None else input_scale.reshape(1)
-    y = torch.nn.functional.linear(fake_quantize_fp8(x, scale), weight.float())
-    return y if bias is None else y + bias.float()
+def quantize_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x on the e4m3 grid, its scale): per token [..., 1] when `input_scale` is None, else `input_scale`."""
+    scale = fp8_activation_scale(x) if input_scale is None else input_scale.reshape(1).float()
+    return encode_e4m3(x, scale), scale

@@ -12,45 +12,71 @@ import triton.language as tl
 from torch import Tensor
 
 from quantkit.kernels.launch import KeptKernel
+from quantkit.kernels.triton_fp8 import row_scale, to_e4m3
+from quantkit.packing import E4M3_MAX, FP8_MIN_SCALE
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n, stride_x, stride_r, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, s_ptr, static_ptr, n, stride_x, stride_r, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr,
+                    STATIC: tl.constexpr, MIN_SCALE: tl.constexpr, FP8_MAX: tl.constexpr):
+    """QUANT: the output (in OUT_DTYPE) quantized to e4m3 as triton_fp8.quantize_kernel does, its scale at
+    s_ptr (per token) or static_ptr (STATIC)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
-        x = x.to(out_ptr.dtype.element_ty)
+        x = x.to(OUT_DTYPE)
         tl.store(h_ptr + row * n + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, axis=0) / n + eps)
-    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (xf * rstd).to(OUT_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w * normed).to(OUT_DTYPE)
+    if QUANT:
+        yf = y.to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            scale = row_scale(tl.max(tl.abs(yf), axis=0), MIN_SCALE, FP8_MAX)
+            tl.store(s_ptr + row, scale)
+        tl.store(out_ptr + row * n + cols, to_e4m3(yf, scale, FP8_MAX), mask=mask)
+    else:
+        tl.store(out_ptr + row * n + cols, y, mask=mask)
 
 
 _RMS_NORM = KeptKernel(rms_norm_kernel)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, quantize: bool = False,
+             input_scale: Tensor | None = None):
+    """See fused.rms_norm; `quantize`: the normalized output as (q e4m3, scale), per token or under
+    `input_scale`, in place of the output."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty_like(out) if residual is not None else out
-    if out.numel() == 0:
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x2  # x2: unused
+    q = out
+    if quantize:
+        scale = input_scale if input_scale is not None else torch.empty(*x.shape[:-1], 1, dtype=torch.float32,
+                                                                         device=x.device)
+        out = (q, scale)
+    if x2.shape[0] == 0:
         return out if residual is None else (out, h)
     r2 = x2
     if residual is not None:
         r2 = residual.reshape(-1, n)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-    _RMS_NORM((x2.shape[0],), (x2, r2, weight, out, h, n, x2.stride(0), r2.stride(0), eps, residual is not None,
-                               triton.next_power_of_2(n)), num_warps=4 if n <= 4096 else 8)
+    s = out[1] if quantize else q  # q: unused
+    _RMS_NORM((x2.shape[0],), (x2, r2, weight, q, h, s, s, n, x2.stride(0), r2.stride(0), eps, residual is not None,
+                               triton.next_power_of_2(n), _TL_DTYPES[x.dtype], quantize, input_scale is not None,
+                               FP8_MIN_SCALE, E4M3_MAX), num_warps=4 if n <= 4096 else 8)
     return out if residual is None else (out, h)
 
 

@@ -3,8 +3,10 @@
 Buffers, named as the checkpoint's tensors so a state dict loads straight into it: `weight`
 float8_e4m3fn [out, in], `weight_scale` float32 [out, 1] or [1], and with static activations
 `input_scale` float32 [1]. Forward: the activations are rounded onto the e4m3 grid per token (dynamic)
-or under `input_scale` (static), then multiplied by the dequantized weight — what an FP8 GEMM with
-those scales computes, by plain torch ops (kernels.reference.fp8_linear), on every device for now.
+or under `input_scale` (static) — unless they arrive so (kernels.fp8.Fp8Activations, from the fused
+RMSNorm or SiLU·mul the engine links to this layer: `quantizes_input`) — then multiplied by the weight:
+on a GPU with FP8 tensor cores by the FP8 product the dispatch table names, elsewhere by the torch
+reference on the dequantized weight (kernels/fp8.py).
 
 Its own module rather than a layout of QuantLinear: QuantLinear holds integer codes whose kernels
 dequantize weights and keep activations in 16 bits; this layer's weights need no unpacking, its
@@ -17,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantkit.kernels import reference
+from quantkit.kernels import fp8, reference
+from quantkit.kernels.settings import AUTO, KernelSettings
 from quantkit.nn.quant_linear import add_bias_and_weight_cache
 
 ACTIVATIONS = ("dynamic", "static")
@@ -27,6 +30,7 @@ class Fp8Linear(nn.Module):
     """y = q(x) Wᵀ + b, W = float(weight) · weight_scale; q rounds x to e4m3 per token or per tensor."""
 
     LAYOUT = "fp8"
+    kernels: KernelSettings = AUTO
 
     def __init__(self, in_features: int, out_features: int, activations: str = "dynamic", layout: str = LAYOUT,
                  per_tensor: bool = False, bias: bool = False, dtype: torch.dtype = torch.float16,
@@ -54,13 +58,19 @@ class Fp8Linear(nn.Module):
         """W [out, in] in float32."""
         return reference.dequantize_fp8(self.weight, self.weight_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _weight_for(self, device: torch.device) -> torch.Tensor:
         weight = self._cached_weight
-        if weight is None or weight.device != x.device:
-            weight = self.dequantized_weight().to(x.device)
+        if weight is None or weight.device != device:
+            weight = self.dequantized_weight().to(device)
             if self.cache_dequantized:
                 self._cached_weight = weight
-        return reference.fp8_linear(x, weight, self.input_scale, self.bias).to(x.dtype)
+        return weight
+
+    def forward(self, x: torch.Tensor | fp8.Fp8Activations) -> torch.Tensor:
+        if not isinstance(x, fp8.Fp8Activations):
+            x = fp8.quantize(x, self.input_scale, self.kernels)
+        return fp8.linear(x, self.weight, self.weight_scale, self.bias, lambda: self._weight_for(x.q.device),
+                          self.kernels)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

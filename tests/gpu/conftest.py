@@ -25,15 +25,17 @@ def compiled_kernels(monkeypatch):
 
 @pytest.fixture(scope="session")
 def small_llama(tmp_path_factory) -> dict[str, Path]:
-    """The fp16 source and two checkpoints quantkit wrote from it: W4 g128 AWQ (RTN) and W8 per channel."""
+    """The fp16 source and three checkpoints quantkit wrote from it: W4 g128 AWQ (RTN), W8 per channel and
+    FP8 W8A8 (e4m3 per channel, activations per token)."""
     import quantkit
-    from quantkit.config import QuantizeConfig, WeightQuantConfig
+    from quantkit.config import QuantizeConfig, WeightQuantConfig, build_config
 
     root = tmp_path_factory.mktemp("gpu_models")
     source = write_small_llama(root / "fp16")
     schemes = {
         "w4g128": QuantizeConfig(method="rtn", weight=WeightQuantConfig(4, 128)),
         "w8": QuantizeConfig(method="int8", weight=WeightQuantConfig(8, -1, True)),
+        "fp8": build_config(method="fp8", fp8={"scheme": "dynamic", "weight_strategy": "channel"}),
     }
     out = {"fp16": source}
     for name, config in schemes.items():

@@ -1,9 +1,10 @@
 """Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
 
 TRITON_INTERPRET must be set before a kernel module is imported (the @triton.jit decorator reads it),
-so it is set here, at collection time. Two interpreter bugs are patched for the tests (Triton 3.x):
-a bf16 `tl.dot` multiplies the raw uint16 bit patterns, and fp32 → bf16 casts truncate instead of
-rounding to nearest even as the GPU does. The `mma_asm` fixture also lets the interpreter run the
+so it is set here, at collection time. Three interpreter bugs are patched for the tests (Triton 3.x):
+a bf16 `tl.dot` multiplies the raw uint16 bit patterns, fp32 → bf16 casts truncate instead of
+rounding to nearest even as the GPU does, and fp32 → e4m3 casts round half up and drop the carry
+when rounding up crosses a power of two (124.3 → 64, not 128); the GPU's conversions are exact. The `mma_asm` fixture also lets the interpreter run the
 tensor-core GEMV's inline PTX (which it rejects) through tests/support/quantkit_testing/ptx_interp.py.
 """
 
@@ -15,6 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def _patch_interpreter() -> None:
@@ -37,6 +39,9 @@ def _patch_interpreter() -> None:
         if in_dtype == tl.float32 and out_dtype == tl.bfloat16:
             bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
             return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).reshape(values.shape)
+        if in_dtype == tl.float32 and out_dtype == tl.float8e4nv:  # torch's cast rounds to nearest even
+            f32 = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            return f32.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(values.shape)
         return convert(values, in_dtype, out_dtype, rounding_mode)
 
     interp.InterpreterBuilder.create_dot = create_dot

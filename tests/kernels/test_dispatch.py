@@ -21,6 +21,9 @@ MS = range(1, 2049)
 LLAMA2_7B = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}  # n, k
 
 
+INT_KEYS = [key for key in dispatch.TABLE if not key.startswith("fp8 ")]  # the FP8 rows: test_fp8_rows_*
+
+
 def key_parts(key: str) -> tuple[int, str]:
     bits, cls = key.split(" ", 1)
     return int(bits[1:]), cls
@@ -43,7 +46,8 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_rows_are_sorted_and_the_last_covers_every_m():
-    for key, rows in dispatch.TABLE.items():
+    for key in INT_KEYS:
+        rows = dispatch.TABLE[key]
         bits, cls = key_parts(key)
         assert [b for b, _ in rows] == sorted(b for b, _ in rows), key
         for gluon in (False, True):
@@ -51,7 +55,8 @@ def test_rows_are_sorted_and_the_last_covers_every_m():
 
 
 def test_the_first_allowed_row_whose_bound_holds_m_is_picked_and_every_row_is_reachable():
-    for key, rows in dispatch.TABLE.items():
+    for key in INT_KEYS:
+        rows = dispatch.TABLE[key]
         reached = set()
         for gluon in (False, True):
             for i, ms in picked(key, gluon).items():
@@ -60,6 +65,22 @@ def test_the_first_allowed_row_whose_bound_holds_m_is_picked_and_every_row_is_re
                 earlier = [b for b, c in rows[:i] if gluon or c.method != "gluon"]
                 assert all(m <= rows[i][0] and all(b < m for b in earlier) for m in ms), (key, i)
         assert reached == set(range(len(rows))), (key, set(range(len(rows))) - reached)
+
+
+def test_fp8_rows_the_first_whose_bound_holds_m_is_picked_by_each_llama_linear():
+    from quantkit.kernels.dispatch_table import choose_fp8
+
+    for name, (n, k) in LLAMA2_7B.items():
+        rows = dispatch.TABLE[f"fp8 {dispatch.width_class(n, k, 132)}"]
+        assert [b for b, _ in rows] == sorted(b for b, _ in rows) and rows[-1][1].method == "scaled_mm", name
+        reached = set()
+        for m in MS:
+            i = next(i for i, (bound, _) in enumerate(rows) if m <= bound)
+            assert choose_fp8(m, n, k, 132) is rows[i][1], (name, m)
+            reached.add(i)
+            # cuBLAS cannot run it (the CPU, odd shapes): the Triton kernel of the last Triton row
+            assert choose_fp8(m, n, k, 132, triton_only=True).method == "fp8-dot"
+        assert reached == set(range(len(rows))), name
 
 
 def test_the_choice_depends_on_the_width_class_and_m_only():
@@ -157,7 +178,7 @@ def test_eager_calls_leave_small_m_to_the_gemv(monkeypatch):
 
 
 def test_pdl_parameters_only_where_the_gpu_launches_with_pdl():
-    for key in dispatch.TABLE:
+    for key in INT_KEYS:
         bits, cls = key_parts(key)
         if cls == "block-planar":
             continue
