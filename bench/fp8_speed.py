@@ -63,14 +63,14 @@ def kernels_part(args) -> dict:
               for _ in range(ring_size(n * k))]
         emulated_w = reference.dequantize_fp8(w8[0], scale)
         cls = width_class(n, k, sms)
-        for m in MS:
+        for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             q, s = triton_fp8.quantize(x, None)
             want = F.linear(q.float() * s, emulated_w).half()
             fp16_us = graph_us([lambda w=w: F.linear(x, w) for w in w16])
             quant_us = graph_us([lambda: triton_fp8.quantize(x, None)])
             cands = [(SCALED_MM, lambda w: fp8.scaled_mm(q, s, w, scale, None, torch.float16))]
-            if m in DOT_MS:
+            if m <= DOT_MS[-1]:
                 cands += [(Choice("fp8-dot", p), lambda w, p=p: triton_fp8.dot(q, s, w, scale, None, torch.float16, **p))
                           for p in dot_candidates(m)]
             timed = []
@@ -102,7 +102,7 @@ def kernels_part(args) -> dict:
                   f"{top.params}  scaled_mm {row['scaled_mm_us']:8.1f}  ×{row['speedup_best']:.2f}", flush=True)
         del w16, w8
         torch.cuda.empty_cache()
-    summary = {m: round(geomean(r["speedup_best"] for r in rows if r["m"] == m), 3) for m in MS}
+    summary = {m: round(geomean(r["speedup_best"] for r in rows if r["m"] == m), 3) for m in args.ms}
     print("geometric mean over the four linears, fp16 / (quantize + best FP8 product):", summary)
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows,
            "geomean_speedup_best": summary}
@@ -110,7 +110,7 @@ def kernels_part(args) -> dict:
         table = {}
         for cls in sorted({c for c, _ in best}):
             chosen = []
-            for m in DOT_MS:
+            for m in [m for m in args.ms if m <= DOT_MS[-1]]:
                 cands = [v for v in best[(cls, m)].values() if v[2] == max(x[2] for x in best[(cls, m)].values())]
                 us, choice, _ = min(cands, key=lambda v: v[0])
                 chosen.append((m, choice))
@@ -160,10 +160,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("kernels", "engine"), required=True, help="the linears, or the engine")
     ap.add_argument("--tune", action="store_true", help="write the fastest products as dispatch rows (kernels part)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="the kernels part's M values (default: %(default)s)")
     ap.add_argument("--shape", default="llama2-7b", help="the engine part's model shape (default llama2-7b)")
     ap.add_argument("--weights", default="fp16,w4,fp8", help="the engine part's weights (default fp16,w4,fp8)")
     ap.add_argument("--out", required=True, help="directory for the JSON (created)")
     args = ap.parse_args()
+    args.ms = sorted(int(m) for m in args.ms.split(","))
     import torch
 
     if not torch.cuda.is_available():
