@@ -84,13 +84,15 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     return prompt
 
 
-def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Chat messages through the tokenizer's chat template, ready for the assistant's answer. Without a
+def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    """Chat messages through the tokenizer's chat template, ready for the assistant's answer; `tools`
+    (OpenAI's function tools) are given to the template, which shows them to the model. Without a
     template (a base model) the turns are written as 'role: content' lines."""
     if tokenizer is None:
         raise UserError("this engine has no tokenizer: chat messages need one")
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return list(tokenizer(text)["input_ids"])
