@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -106,7 +105,7 @@ class Grammars:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=True,
                                             cache_limit_bytes=COMPILER_CACHE_BYTES)
-        self._lock = threading.Lock()
+        self._json_mask: Optional[torch.Tensor] = None
 
     def compile(self, structured: StructuredOutput) -> Any:
         """XGrammar's CompiledGrammar (from the cache when this grammar was compiled before); GrammarError
@@ -132,14 +131,53 @@ class Grammars:
                     "choice": "choice", "grammar": "EBNF grammar"}[kind]
             raise GrammarError(f"the {what} cannot be used for structured output: {_error_text(exc)}") from None
 
-    def matcher(self, structured: StructuredOutput, stop_ids: frozenset) -> Any:
+    def check(self, structured: StructuredOutput) -> None:
+        """Compile the grammar and make sure that some token can start it: GrammarError when it is invalid,
+        unsupported, or derives no text that this vocabulary can write (`root ::= root`)."""
+        matcher = self._xgr.GrammarMatcher(self.compile(structured), terminate_without_stop_token=True)
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool((bitmask != 0).any()) and not matcher.is_terminated():
+            raise GrammarError("the grammar derives no text that this model's tokens can write: fix it")
+
+    def matcher(self, structured: StructuredOutput, stop_ids: frozenset) -> "SequenceGrammar":
         """A fresh matcher of the grammar for one sequence. Its end is one of `stop_ids` (the sequence's
         end and stop tokens), allowed only where the grammar is complete; without any, the matcher ends
         itself when the grammar is complete (the engine then finishes the sequence)."""
         compiled = self.compile(structured)
         stops = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)
-        return self._xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
-                                        terminate_without_stop_token=not stops)
+        matcher = self._xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
+                                           terminate_without_stop_token=not stops)
+        return SequenceGrammar(matcher, self.json_mask() if structured.kind in ("json_schema", "json_object")
+                               else None)
+
+    def json_mask(self) -> "torch.Tensor":
+        """A bitmask row that allows every token but those holding a control character (bytes 0-31).
+        XGrammar's JSON strings let them through, but JSON forbids them unescaped in a string, and compact
+        JSON has no whitespace outside strings: a JSON grammar's rows are ANDed with it."""
+        if self._json_mask is None:
+            import torch
+
+            allowed = torch.tensor([not any(b < 32 for b in piece) for piece in self.info.decoded_vocab]
+                                   + [True] * (self.vocab_size - len(self.info.decoded_vocab)))
+            words = (self.vocab_size + 31) // 32
+            bits = torch.zeros(words * 32, dtype=torch.int64)
+            bits[:self.vocab_size] = allowed[:self.vocab_size].long()
+            weights = 2 ** torch.arange(32, dtype=torch.int64)
+            packed = (bits.view(words, 32) * weights).sum(dim=1)
+            self._json_mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        return self._json_mask
+
+
+class SequenceGrammar:
+    """One sequence's place in its grammar: XGrammar's matcher, and a bitmask row ANDed with the matcher's
+    every step (or None)."""
+
+    def __init__(self, matcher: Any, extra_mask: Optional["torch.Tensor"]) -> None:
+        self.matcher, self.extra_mask = matcher, extra_mask
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
 
 
 class GrammarMask:
@@ -160,13 +198,17 @@ class GrammarMask:
         import xgrammar as xgr
 
         bitmask = self._buffer(len(seqs), logits.shape[1], logits.device)
-        matchers = [seqs[i].grammar for i in rows]
+        grammars = [seqs[i].grammar for i in rows]
+        matchers = [g.matcher for g in grammars]
         if len(rows) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         else:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for i, g in zip(rows, grammars):
+            if g.extra_mask is not None:
+                bitmask[i] &= g.extra_mask
         if copy:
             logits = logits.clone()
         on_device = bitmask.to(logits.device, non_blocking=True) if logits.device.type != "cpu" else bitmask
@@ -189,5 +231,6 @@ class GrammarMask:
 
 def accept(seq: Any, token_id: int) -> None:
     """Advance seq's matcher by its sampled token; a token its grammar refuses is that request's error."""
-    if not seq.grammar.accept_token(int(token_id)):
-        raise RuntimeError(f"the sampled token {token_id} does not continue the request's grammar")
+    if not seq.grammar.matcher.accept_token(int(token_id)):
+        raise RuntimeError(f"the request's grammar allows no token after {seq.num_output_tokens} tokens "
+                           f"(token {token_id} was drawn from nothing)")

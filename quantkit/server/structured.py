@@ -90,7 +90,7 @@ class GrammarChecker:
 
     async def check(self, grammar: StructuredOutput, param: str) -> None:
         """400 naming `param` when the grammar is longer than --max-grammar-chars, invalid, unsupported,
-        or compiles for longer than --grammar-compile-timeout."""
+        derives no text, or compiles for longer than --grammar-compile-timeout."""
         cap = self.limits.max_grammar_chars
         if grammar.size > cap:
             raise APIError(400, f"{param} has {grammar.size} characters; this server compiles grammars of at most "
@@ -99,7 +99,7 @@ class GrammarChecker:
         try:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.vocab_size)
-            work = loop.run_in_executor(self._pool, self._grammars.compile, grammar)
+            work = loop.run_in_executor(self._pool, self._grammars.check, grammar)
             await asyncio.wait_for(work, self.limits.grammar_compile_timeout)
         except asyncio.TimeoutError:
             raise APIError(400, f"{param} took more than {self.limits.grammar_compile_timeout} s to compile "
