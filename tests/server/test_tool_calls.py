@@ -1,0 +1,76 @@
+"""Tool calls read from generated text (quantkit/server/tool_calls.py): each parser finds the same calls
+and content whether the text comes whole or one character at a time, holds back what may be a marker's
+start, keeps unparsable calls as content, and picks its format from the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantkit.server.tool_calls import (NamedCall, RequiredCalls, Delta, detect_parser, make_parser)
+
+
+def _run(extractor, pieces) -> tuple[str, list[dict]]:
+    """content and whole calls (assembled by index, as clients assemble stream deltas)."""
+    total = Delta()
+    for p in pieces:
+        total += extractor.feed(p)
+    total += extractor.finish()
+    calls: dict[int, dict] = {}
+    for d in total.tool_calls:
+        call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+        call["name"] = call["name"] or d["function"].get("name")
+        call["arguments"] += d["function"].get("arguments", "")
+    return total.content, [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls.values()]
+
+
+HERMES = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call> done <tool')
+INTERNLM2 = 'ok<|action_start|><|plugin|>\n{"name": "add", "parameters": {"a": 1, "b": 2}}<|action_end|>'
+LLAMA = '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}'
+CASES = [
+    ("hermes", HERMES, "I will check. \n done <tool",
+     [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 1}}]),
+    ("hermes", "plain <b>text</b> <tool_call>{not json}</tool_call>", "plain <b>text</b> <tool_call>{not json}</tool_call>", []),
+    ("hermes", 'x<tool_call>{"name": "f", "arguments": {}}', "x", [{"name": "f", "arguments": {}}]),   # no end tag
+    ("internlm2", INTERNLM2, "ok", [{"name": "add", "arguments": {"a": 1, "b": 2}}]),
+    ("llama3_json", LLAMA, "", [{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]),
+    ("llama3_json", "  Hello {there}", "  Hello {there}", []),
+    ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_parsers(parser, text, content, calls, chunked):
+    got_content, got_calls = _run(make_parser(parser), list(text) if chunked else [text])
+    assert (got_content, got_calls) == (content, calls)
+
+
+def test_marker_start_is_held_back_until_known():
+    parser = make_parser("hermes")
+    assert parser.feed("Hi <tool").content == "Hi "
+    assert parser.feed("box>").content == "<toolbox>"
+
+
+def test_named_and_required():
+    content, calls = _run(NamedCall("add"), ['{"a":', ' 1}'])
+    assert content == "" and calls == [{"name": "add", "arguments": {"a": 1}}]
+    required = RequiredCalls()
+    assert required.feed('[{"name": "add", "arguments": {"a": ').tool_calls == []
+    first = required.feed('1}}, {"name": "f"').tool_calls
+    assert [d["function"]["name"] for d in first] == ["add"] and first[0]["index"] == 0
+    second = required.feed(', "arguments": {}}]').tool_calls
+    assert second[0]["index"] == 1 and second[0]["function"] == {"name": "f", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("template, parser", [
+    ("{% for t in tools %}<tool_call>{% endfor %}", "hermes"),
+    ("<|im_start|>system name=<|plugin|>", "internlm2"),
+    ("{{ '<|python_tag|>' }}{{ 'ipython' }}", "llama3_json"),
+    ("{{ messages }}", "hermes"),
+    (None, "hermes"),
+])
+def test_detect_parser(template, parser):
+    assert detect_parser(template) == parser
