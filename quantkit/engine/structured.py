@@ -78,10 +78,39 @@ class StructuredOutput:
         """Text that the EBNF grammar's `root` rule derives."""
         return cls("grammar", ebnf)
 
+    @classmethod
+    def from_options(cls, json_schema_file: Optional[str] = None, regex: Optional[str] = None,
+                     choice: Optional[list[str]] = None) -> Optional["StructuredOutput"]:
+        """The grammar of `quantkit generate --json-schema FILE / --regex / --choice` (at most one; None
+        for none)."""
+        given = [name for name, v in (("--json-schema", json_schema_file), ("--regex", regex), ("--choice", choice))
+                 if v]
+        if len(given) > 1:
+            raise UserError(f"{' and '.join(given)} both constrain the text: give one")
+        if json_schema_file:
+            return cls.json_schema(read_schema(json_schema_file))
+        if regex:
+            return cls.regex(regex)
+        return cls.choice(list(choice)) if choice else None
+
     @property
     def size(self) -> int:
         """Characters of the grammar's text (what a server caps)."""
         return len(self.spec)
+
+
+def read_schema(path: str) -> dict:
+    """A JSON schema from a file; a UserError naming the file when it cannot be read or is not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as exc:
+        raise UserError(f"cannot read the JSON schema {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UserError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise UserError(f"{path} holds a JSON {type(schema).__name__}, not a schema (an object)")
+    return schema
 
 
 def _error_text(exc: Exception) -> str:
