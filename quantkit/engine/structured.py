@@ -124,8 +124,13 @@ class Grammars:
     """Compiles StructuredOutputs for one tokenizer and vocabulary and makes their matchers. Thread-safe:
     the server validates grammars from a pool of threads."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_threads: Optional[int] = None) -> None:
+        """max_threads: XGrammar's compile threads (default: the CPU's cores, at most 8)."""
+        import os
+
         import xgrammar as xgr
+
+        max_threads = max_threads or max(1, min(8, os.cpu_count() or 1))
 
         if tokenizer is None:
             raise UserError("structured output needs the model's tokenizer: this engine has none")
