@@ -128,7 +128,10 @@ class Grammars:
         """max_threads: XGrammar's compile threads (default: the CPU's cores, at most 8)."""
         import os
 
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise UserError("structured output needs XGrammar, which is not installed: pip install 'xgrammar>=0.2.9'") from None
 
         max_threads = max_threads or max(1, min(8, os.cpu_count() or 1))
 

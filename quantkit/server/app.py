@@ -264,6 +264,7 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.loop.start()
+        server.grammars.warm()
         try:
             yield
         finally:

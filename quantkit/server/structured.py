@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -26,6 +27,8 @@ from quantkit.config import UserError
 from quantkit.engine.structured import Grammars, StructuredOutput
 from quantkit.server.limits import RequestLimits
 from quantkit.server.protocol import APIError
+
+log = logging.getLogger(__name__)
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -81,7 +84,7 @@ def requested_grammar(req: Any) -> tuple[Optional[StructuredOutput], Optional[st
 
 
 class GrammarChecker:
-    """Compiles grammars on the HTTP side (see the module docstring); made with the first one."""
+    """Compiles grammars on the HTTP side (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, limits: RequestLimits) -> None:
         self.tokenizer, self.vocab_size, self.limits = tokenizer, vocab_size, limits
@@ -97,15 +100,30 @@ class GrammarChecker:
                            f"{cap} (--max-grammar-chars)", param=param, code="invalid_value")
         loop = asyncio.get_running_loop()
         try:
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.vocab_size)
-            work = loop.run_in_executor(self._pool, self._grammars.check, grammar)
+            work = loop.run_in_executor(self._pool, lambda: self.grammars().check(grammar))
             await asyncio.wait_for(work, self.limits.grammar_compile_timeout)
         except asyncio.TimeoutError:
             raise APIError(400, f"{param} took more than {self.limits.grammar_compile_timeout} s to compile "
                            "(--grammar-compile-timeout): simplify it", param=param, code="invalid_value") from None
         except UserError as exc:
             raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from None
+
+    def grammars(self) -> Grammars:
+        """The compiler (made on first use: reading the vocabulary takes 0.3-1 s)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
+
+    def warm(self) -> None:
+        """Make the compiler in the background (at the server's start), so that no request waits for it."""
+        if self.tokenizer is not None:
+            self._pool.submit(self._warm)
+
+    def _warm(self) -> None:
+        try:
+            self.grammars()
+        except Exception as exc:   # e.g. XGrammar missing: the first structured request says so
+            log.warning("structured output is not available: %s", exc)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
