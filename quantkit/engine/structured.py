@@ -26,7 +26,7 @@ from quantkit.config import UserError
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 COMPILER_CACHE_BYTES = 256 * 2**20   # compiled grammars kept (least recently used go first)
 
 
@@ -38,7 +38,9 @@ class GrammarError(UserError):
 class StructuredOutput:
     """What a request's text must be. `kind` is one of KINDS; `spec` is the JSON schema as JSON text
     (json_schema), the regular expression (regex), the EBNF grammar (grammar), the JSON list of the
-    allowed strings (choice), or "" (json_object: any JSON object). Build one with the class methods."""
+    allowed strings (choice), XGrammar's structural tag as JSON text (structural_tag: text with tagged
+    parts such as tool calls, each under its own format), or "" (json_object: any JSON object). Build one
+    with the class methods."""
 
     kind: str
     spec: str = ""
@@ -77,6 +79,25 @@ class StructuredOutput:
     def grammar(cls, ebnf: str) -> "StructuredOutput":
         """Text that the EBNF grammar's `root` rule derives."""
         return cls("grammar", ebnf)
+
+    @classmethod
+    def structural_tag(cls, tag: Union[dict, str]) -> "StructuredOutput":
+        """Text that XGrammar's structural tag ({"type": "structural_tag", "format": …}) describes."""
+        return cls("structural_tag", tag if isinstance(tag, str) else json.dumps(tag, ensure_ascii=False))
+
+    def as_format(self) -> dict:
+        """This grammar as a structural tag's format (to combine it with others)."""
+        if self.kind == "json_schema":
+            return {"type": "json_schema", "json_schema": json.loads(self.spec)}
+        if self.kind == "json_object":
+            return {"type": "json_schema", "json_schema": {"type": "object"}}
+        if self.kind == "regex":
+            return {"type": "regex", "pattern": self.spec}
+        if self.kind == "grammar":
+            return {"type": "grammar", "grammar": self.spec}
+        if self.kind == "choice":
+            return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in json.loads(self.spec)]}
+        return json.loads(self.spec)["format"]
 
     @classmethod
     def from_options(cls, json_schema_file: Optional[str] = None, regex: Optional[str] = None,
@@ -160,12 +181,14 @@ class Grammars:
                 options = json.loads(spec)
                 return self.compiler.compile_grammar("root ::= " + " | ".join(
                     json.dumps(o, ensure_ascii=False) for o in options))
+            if kind == "structural_tag":
+                return self.compiler.compile_structural_tag(spec)
             return self.compiler.compile_grammar(spec)
         except json.JSONDecodeError as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except (RuntimeError, ValueError, TypeError) as exc:   # XGrammar's errors are RuntimeErrors
             what = {"json_schema": "JSON schema", "json_object": "JSON grammar", "regex": "regular expression",
-                    "choice": "choice", "grammar": "EBNF grammar"}[kind]
+                    "choice": "choice", "grammar": "EBNF grammar", "structural_tag": "structural tag"}[kind]
             raise GrammarError(f"the {what} cannot be used for structured output: {_error_text(exc)}") from None
 
     def check(self, structured: StructuredOutput) -> None:

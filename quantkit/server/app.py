@@ -166,12 +166,9 @@ class Server:
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)   # ids in the vocabulary: CompletionRequest checked them
 
-    async def grammar(self, req: Any, plan: Optional[ToolPlan] = None) -> Any:
-        """The request's StructuredOutput (a forced tool call's, else the one it asks for), checked (400 when
-        it cannot be compiled in time); None when it asks for none."""
-        grammar, param = requested_grammar(req)
-        if plan is not None and plan.grammar is not None:
-            grammar, param = plan.grammar, "tools" if plan.mode == "required" else "tool_choice"
+    async def grammar(self, grammar: Any, param: Optional[str]) -> Any:
+        """The request's StructuredOutput checked (400 naming `param` when it cannot be compiled in time);
+        None when it has none."""
         if grammar is None:
             return None
         if self.tokenizer is None:
@@ -301,12 +298,14 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
         req = parse_request(await read_body(request, settings.limits), ChatCompletionRequest, settings.limits,
                             server.info.vocab_size)
         server.check_model(req.model)
-        plan = plan_tools(req, server.tool_parser)
+        requested, param = requested_grammar(req)
+        plan = plan_tools(req, server.tool_parser, requested)
         if has_image_parts(req):  # the engine's side runs the vision tower, between its steps
             prompt = server.encode_image_messages(req)
         else:
             prompt = server.encode_messages(req, plan.tools)
-        grammar = await server.grammar(req, plan)
+        # A forced call's grammar, or auto's (which holds the request's own), else the request's own.
+        grammar = await server.grammar(*((plan.grammar, plan.param) if plan.grammar else (requested, param)))
         return await server.generate("chat", req, [prompt], request, grammar, plan)
 
     async def completions(request: Request) -> Response:
@@ -315,7 +314,7 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
                             server.info.vocab_size)
         server.check_model(req.model)
         prompts = [server.encode_prompt(p) for p in req.prompts()]
-        grammar = await server.grammar(req)
+        grammar = await server.grammar(*requested_grammar(req))
         return await server.generate("completions", req, prompts, request, grammar)
 
     async def models(request: Request) -> JSONResponse:

@@ -138,7 +138,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputsParams(BaseModel):
     """vLLM's `structured_outputs` field: one of a JSON schema, a regex, a choice, an EBNF grammar, any
-    JSON object."""
+    JSON object, a structural tag."""
 
     model_config = ConfigDict(extra="ignore")
     json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
@@ -146,6 +146,7 @@ class StructuredOutputsParams(BaseModel):
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    structural_tag: Union[dict[str, Any], str, None] = None   # XGrammar's {"type": "structural_tag", "format": …}
 
 
 class SamplingFields(BaseModel):

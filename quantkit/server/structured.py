@@ -3,7 +3,7 @@ sees it.
 
 A request names at most one grammar, in any of the forms clients send: OpenAI's `response_format`
 (`json_object`, or `json_schema` with its `schema`), vLLM's `structured_outputs` (`json`, `regex`,
-`choice`, `grammar`, `json_object`) or its older `guided_json` / `guided_regex` / `guided_choice` /
+`choice`, `grammar`, `json_object`, `structural_tag`) or its older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`. `requested_grammar` turns it into the engine's `StructuredOutput`; two of them in one
 request are a 400.
 
@@ -77,6 +77,13 @@ def requested_grammar(req: Any) -> tuple[Optional[StructuredOutput], Optional[st
         found.append((grammar, param))
     if so is not None and so.json_object:
         found.append((StructuredOutput.json_object(), "structured_outputs.json_object"))
+    if so is not None and so.structural_tag is not None:
+        param = "structured_outputs.structural_tag"
+        tag = json.loads(_schema_text(so.structural_tag, param))
+        if tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+            raise APIError(400, f'{param} must be {{"type": "structural_tag", "format": {{…}}}} (XGrammar\'s)',
+                           param=param, code="invalid_value")
+        found.append((StructuredOutput.structural_tag(tag), param))
     if len(found) > 1:
         raise APIError(400, f"the request asks for structured output in {len(found)} ways ("
                        + ", ".join(p for _, p in found) + "): give one", param=found[1][1], code="invalid_value")

@@ -3,7 +3,11 @@ and the calls taken out of the text it generates, whole or as stream deltas.
 
     tool_choice          the text is constrained to                    the calls are read by
     "none" (or no tools) nothing (tools are not shown to the model)    nobody: the text is content
-    "auto" (default)     nothing, or the request's response_format     the family's parser (below)
+    "auto" (default)     hermes: each call, once the model opens one,  the family's parser (below)
+                         to a tool's name and arguments schema; with
+                         response_format too, the answer is either
+                         JSON under it or calls. Other parsers: the
+                         request's response_format, if any
     "required"           a JSON array of {"name", "arguments"} items,  RequiredCalls
                          each name one of the tools' and its
                          arguments valid under that tool's schema
@@ -266,6 +270,11 @@ class ToolPlan:
     named: Optional[str] = None
 
     @property
+    def param(self) -> str:
+        """The request field a 400 about this plan's grammar names."""
+        return "tool_choice" if self.mode == "named" else "tools"
+
+    @property
     def keeps_special_tokens(self) -> bool:
         """Whether the text must keep special tokens (InternLM2's call markers are special tokens)."""
         return self.mode == "auto" and self.parser == "internlm2"
@@ -280,8 +289,9 @@ class ToolPlan:
         return None
 
 
-def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan:
-    """The request's ToolPlan; `parser` is the server's (flag or template)."""
+def plan_tools(req: ChatCompletionRequest, parser: str, requested: Optional[StructuredOutput] = None) -> ToolPlan:
+    """The request's ToolPlan; `parser` is the server's (flag or template); `requested` the grammar the
+    request asks for itself (response_format and the like)."""
     tools = req.tools or []
     choice = req.tool_choice or ("auto" if tools else "none")
     if not tools or choice == "none":
@@ -300,7 +310,27 @@ def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan:
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(rendered, "required", StructuredOutput.json_schema(schema), parser)
+    if parser == "hermes":
+        return ToolPlan(rendered, "auto", hermes_calls(tools, requested, req.parallel_tool_calls is not False),
+                        parser)
     return ToolPlan(rendered, "auto", None, parser)
+
+
+def hermes_calls(tools: list, requested: Optional[StructuredOutput], parallel: bool) -> StructuredOutput:
+    """XGrammar's structural tag for `auto` in the Hermes format: free text in which every <tool_call> the
+    model opens holds one of the tools' names and arguments valid under its schema; with a grammar of the
+    request's own, the text is either that or one or more calls."""
+    tags = [{"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(t.function.name) + ', "arguments": ',
+             "content": {"type": "json_schema", "json_schema": _arguments_schema(t), "max_whitespace_cnt": 2},
+             "end": "}\n</tool_call>"} for t in tools]
+    if requested is None:
+        fmt: dict = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
+                     "stop_after_first": not parallel}
+    else:
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                 "stop_after_first": not parallel}
+        fmt = {"type": "or", "elements": [requested.as_format(), calls]}
+    return StructuredOutput.structural_tag({"type": "structural_tag", "format": fmt})
 
 
 def _arguments_schema(tool: Any) -> dict:

@@ -182,10 +182,11 @@ HERMES_CALL = ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "
 
 def _forced_text(text: str) -> dict:
     """Make the tiny model write `text` (a regex of it, as structured output), so that `auto` parses what the
-    model wrote."""
+    model wrote. Greedy: sampled, the model may spell the text in more tokens than its context holds."""
     import re
 
-    return {"structured_outputs": {"regex": re.escape(text).replace("\\ ", " ").replace("\\\n", "\\n")}}
+    return {"structured_outputs": {"regex": re.escape(text).replace("\\ ", " ").replace("\\\n", "\\n")},
+            "temperature": 0}
 
 
 def test_auto_parses_hermes_calls_and_round_trips(client, qk_server):
@@ -323,3 +324,27 @@ def test_hostile_grammars_never_5xx(qk_server):
                        json={"messages": MESSAGES, "max_tokens": 30, "guided_choice": ["fine", "well"]})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("fine", "well")
     assert wait_idle(qk_server.url)["quantkit_kv_blocks_used"] == 0
+
+
+def test_auto_with_response_format_is_json_or_calls(client):
+    """tools (auto) and a response schema in one request: every answer is JSON valid under the schema, or
+    calls valid under their tools' schemas."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
+              "required": ["answer"], "additionalProperties": False}
+
+    def ask(i: int):
+        return client.chat.completions.create(
+            model=SERVED_NAME, messages=_prompt(i), tools=TOOLS, max_tokens=120, temperature=1.0, seed=i,
+            parallel_tool_calls=False,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(16)))
+    for answer in answers:
+        choice = answer.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            _calls_validate(choice.message, most=1)
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), schema)

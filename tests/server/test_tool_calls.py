@@ -74,3 +74,34 @@ def test_named_and_required():
 ])
 def test_detect_parser(template, parser):
     assert detect_parser(template) == parser
+
+
+def test_hermes_auto_grammar():
+    """`auto` with the Hermes format: free text, but a <tool_call> holds one of the tools with valid arguments;
+    with a response_format too, the text is either JSON under it or calls."""
+    from quantkit.engine.structured import Grammars, StructuredOutput
+    from quantkit.server.protocol import ChatCompletionRequest
+    from quantkit.server.tool_calls import plan_tools
+    from quantkit_testing.tiny import make_tokenizer
+
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [tool]})
+    grammars = Grammars(make_tokenizer(), 320)
+
+    def accepts(grammar: StructuredOutput, text: str) -> bool:
+        m = grammars.matcher(grammar, frozenset()).matcher
+        return m.accept_string(text) and m.is_completed()
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    free = plan_tools(req, "hermes").grammar
+    assert accepts(free, "any text") and accepts(free, "ok " + call + " done") and accepts(free, call + call)
+    assert not accepts(free, '<tool_call>\n{"name": "sub", "arguments": {"a": 1}}\n</tool_call>')
+    assert not accepts(free, '<tool_call>\n{"name": "add", "arguments": {"a": "one"}}\n</tool_call>')
+    once = plan_tools(req.model_copy(update={"parallel_tool_calls": False}), "hermes").grammar
+    assert accepts(once, call) and not accepts(once, call + call)
+    answer = StructuredOutput.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                           "required": ["ok"]})
+    either = plan_tools(req, "hermes", answer).grammar
+    assert accepts(either, '{"ok": true}') and accepts(either, call) and not accepts(either, "any text")
+    assert plan_tools(req, "internlm2").grammar is None   # its markers are special tokens: parsed, not constrained
