@@ -266,13 +266,17 @@ class GrammarMask:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        for i, g in zip(rows, grammars):
-            if g.extra_mask is not None:
-                bitmask[i] &= g.extra_mask
+        extra = [(i, g.extra_mask) for i, g in zip(rows, grammars) if g.extra_mask is not None]
+        if extra:   # JSON rows share one mask: one operation for all of them
+            masks = {id(m): m for _, m in extra}
+            for mask in masks.values():
+                these = [i for i, m in extra if m is mask]
+                bitmask[these] &= mask
         if copy:
             logits = logits.clone()
         on_device = bitmask.to(logits.device, non_blocking=True) if logits.device.type != "cpu" else bitmask
-        xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=logits.shape[1], indices=rows)
+        xgr.apply_token_bitmask_inplace(logits, on_device, vocab_size=logits.shape[1],
+                                        indices=None if len(rows) == len(seqs) else rows)
         return logits
 
     def _buffer(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
