@@ -1,6 +1,7 @@
 """Tool calls read from generated text (quantkit/server/tool_calls.py): each parser finds the same calls
 and content whether the text comes whole or one character at a time, holds back what may be a marker's
-start, keeps unparsable calls as content, and picks its format from the chat template."""
+start, keeps unparsable calls as content, and picks its format from the chat template; the Hermes `auto`
+grammar; the --tool-call-parser and --grammar-compile-timeout checks."""
 
 from __future__ import annotations
 
@@ -105,3 +106,38 @@ def test_hermes_auto_grammar():
     either = plan_tools(req, "hermes", answer).grammar
     assert accepts(either, '{"ok": true}') and accepts(either, call) and not accepts(either, "any text")
     assert plan_tools(req, "internlm2").grammar is None   # its markers are special tokens: parsed, not constrained
+
+
+def test_tool_call_parser_flag_is_checked():
+    from quantkit.config import UserError
+    from quantkit.server.launch import ServeConfig
+
+    assert ServeConfig(model="m", tool_call_parser="internlm2").tool_call_parser == "internlm2"
+    with pytest.raises(UserError, match="--tool-call-parser 'qwen' is not one of hermes, internlm2, llama3_json"):
+        ServeConfig(model="m", tool_call_parser="qwen")
+
+
+def test_grammar_compile_timeout_is_a_400():
+    """A grammar still compiling after --grammar-compile-timeout seconds is answered 400 naming the field."""
+    import asyncio
+    import threading
+
+    from quantkit.engine.structured import StructuredOutput
+    from quantkit.server.limits import RequestLimits
+    from quantkit.server.protocol import APIError
+    from quantkit.server.structured import GrammarChecker
+
+    release = threading.Event()
+
+    class Slow:   # stands in for XGrammar's compiler: done only when released
+        def check(self, grammar) -> None:
+            release.wait(10)
+
+    checker = GrammarChecker(None, 320, RequestLimits(grammar_compile_timeout=1))
+    checker._grammars = Slow()
+    with pytest.raises(APIError) as err:
+        asyncio.run(checker.check(StructuredOutput.regex("a+"), "guided_regex"))
+    release.set()
+    checker.close()
+    assert err.value.status == 400 and err.value.param == "guided_regex"
+    assert "took more than 1 s to compile (--grammar-compile-timeout)" in err.value.message
