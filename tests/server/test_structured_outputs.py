@@ -241,6 +241,7 @@ def internlm2_server(chat_model_dir, tmp_path_factory):
     tok.chat_template = INTERNLM2_TEMPLATE
     tok.save_pretrained(str(directory))
     server = ServerProcess(str(directory), "--served-model-name", SERVED_NAME, "--num-kv-tokens", "2048", "--quiet",
+                           "--engine-thread",   # one process: starts sooner
                            log=tmp_path_factory.mktemp("serve-log") / "internlm2.log")
     yield server
     assert server.stop() == 0
