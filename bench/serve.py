@@ -9,6 +9,8 @@ each server's log beside them). Servers already running are given by URL.
     python -m bench.serve --out-dir OUT --url vllm=http://127.0.0.1:8000 --model vllm=qwen-7b
     # any command that starts a server ({port} is replaced by a free port):
     python -m bench.serve --out-dir OUT --server "lmdeploy=lmdeploy serve api_server M --server-port {port}"
+    # every request constrained by a JSON schema (response_format json_schema), against the same server:
+    python -m bench.serve --out-dir OUT --quantkit random:llama2-7b:w4 --json-schema bench/schemas/record.json
 
 `--transformers random:SHAPE` first writes a random-weight fp16 checkpoint of that shape to --work-dir
 (not under --out-dir: 13.5 GB for 7B) with the byte-level tokenizer `quantkit serve random:...` uses,
@@ -137,7 +139,7 @@ def run_target(t: Target, args: argparse.Namespace, out_dir: Path):
         cfg = BenchServeConfig(url=url, model=t.model, concurrency=t.concurrency or parse_levels(args.concurrency),
                                num_prompts=t.num_prompts or args.num_prompts, input_len=args.input_len,
                                output_len=args.output_len, timeout=args.timeout, seed=args.seed, label=t.label,
-                               api_key=args.api_key)
+                               api_key=args.api_key, extra_body=response_format(args.json_schema))
         return bench_serve(cfg, progress=True)
     except Exception as exc:  # one server's failure must not lose the others' results
         print(f"[{t.label}] FAILED: {type(exc).__name__}: {exc}\n{tail(log)}", file=sys.stderr, flush=True)
@@ -146,6 +148,14 @@ def run_target(t: Target, args: argparse.Namespace, out_dir: Path):
         if proc is not None:
             stop(proc)
             print(f"[{t.label}] stopped (exit code {proc.returncode})", flush=True)
+
+
+def response_format(path: Optional[Path]) -> dict:
+    """The extra request field that constrains every request by the JSON schema in `path` (none: {})."""
+    if path is None:
+        return {}
+    schema = json.loads(path.read_text())
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}}
 
 
 def targets_from(args: argparse.Namespace) -> list[Target]:
@@ -203,6 +213,9 @@ def main() -> None:
     ap.add_argument("--api-key")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default="/tmp/quantkit-bench-serve", help="where random checkpoints are written")
+    ap.add_argument("--json-schema", type=Path, metavar="FILE", help="constrain every request to JSON valid under "
+                    "the schema in FILE (response_format json_schema; bench/schemas/record.json forces at least "
+                    "1,000 characters, so answers run to --output-len)")
     args = ap.parse_args()
     for spec in [*args.server, *args.url, *args.model]:
         if "=" not in spec:

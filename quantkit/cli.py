@@ -156,6 +156,12 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens; 0 means all."),
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed (same seed, same text)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop at this string (repeatable)."),
+    json_schema: str | None = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain every answer "
+                                           "to JSON valid under the schema in FILE."),
+    regex: str | None = typer.Option(None, "--regex", help="Constrain every answer to match this regular "
+                                     "expression whole."),
+    choice: list[str] = typer.Option([], "--choice", help="Constrain every answer to one of these strings "
+                                     "(repeatable)."),
     kv_bits: int = KV_BITS,
     kv_scales: str = KV_SCALES,
     kv_stats: str | None = KV_STATS,
@@ -167,10 +173,11 @@ def generate(
     """Generate text for a batch of prompts on the engine (all prompts batched together)."""
     from quantkit.engine import SamplingParams
     from quantkit.engine.pipeline import pipeline
+    from quantkit.engine.structured import StructuredOutput
 
     config = engine_config(kv_bits, kv_scales, kv_stats, kv_rotation, device, dtype)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed, stop=stop)
+                            seed=seed, stop=stop, structured=StructuredOutput.from_options(json_schema, regex, choice))
     params.validate()
     pipe = pipeline(checkpoint, config)
     responses = pipe(prompts, params, progress=False)
@@ -417,6 +424,8 @@ def api_client(
                                              "server's)."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", help="Most tokens per answer (default: the "
                                           "server's)."),
+    json_schema: str | None = typer.Option(None, "--json-schema", metavar="FILE", help="Ask for every answer as "
+                                           "JSON valid under the schema in FILE (response_format json_schema)."),
 ) -> None:
     """Chat in the terminal with a running server: streamed answers, multi-turn history; 'exit' leaves,
     'clear' starts over, Ctrl-C stops an answer."""
@@ -428,7 +437,7 @@ def api_client(
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens must be ≥ 1, not {max_tokens}")
     run_api_client(url, api_key, ChatOptions(model=model, system=system, temperature=temperature,
-                                             max_tokens=max_tokens))
+                                             max_tokens=max_tokens, json_schema=json_schema))
 
 
 bench_app = typer.Typer(help="Speed: the engine on random-weight models of real shapes (latency, throughput), and any OpenAI-compatible server under load (serve).", no_args_is_help=True)

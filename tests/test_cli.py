@@ -236,6 +236,29 @@ def test_generate_runs_on_the_engine(tiny_models, monkeypatch, capsys):
     assert_one_line_error(code, err, "top_p")
 
 
+def test_generate_constrained(tiny_models, tmp_path, monkeypatch, capsys):
+    """--json-schema FILE, --regex and --choice constrain every answer; two of them, or a file that is no
+    schema, are one line."""
+    import re
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}}, "required": ["n"]}))
+    model = str(tiny_models["llama"])
+    for flags, check in ((["--json-schema", str(schema)], lambda t: 0 <= json.loads(t)["n"] <= 9),
+                         (["--regex", "[a-z]{2}-[0-9]"], lambda t: re.fullmatch("[a-z]{2}-[0-9]", t)),
+                         (["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no"))):
+        code, out, err = run_cli(["generate", model, "the model", "keys", "--max-new-tokens", "40", "--device", "cpu",
+                                  "--json", *flags], monkeypatch, capsys)
+        assert code in (0, None), err
+        assert all(check(r["text"]) for r in json.loads(out)), out
+    code, _, err = run_cli(["generate", model, "x", "--regex", "a", "--choice", "b"], monkeypatch, capsys)
+    assert_one_line_error(code, err, "--regex and --choice")
+    schema.write_text("[]")
+    code, _, err = run_cli(["generate", model, "x", "--json-schema", str(schema)], monkeypatch, capsys)
+    assert_one_line_error(code, err, "not a schema")
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_dtype_flag_reaches_the_engine_config(command, monkeypatch, capsys, engine_config_of):
     """--dtype goes to EngineConfig.dtype (auto when not given); another value is one line, before any load."""

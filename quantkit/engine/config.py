@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from quantkit.config import ConfigError, check_kv_bits
+from quantkit.engine.structured import StructuredOutput
 from quantkit.kernels.settings import KernelSettings
 
 KV_ROTATIONS = ("auto", "hadamard", "none")  # --kv-rotation; kernels/kv_rotation.py resolves auto per pool
@@ -114,7 +115,10 @@ class SamplingParams:
     are not part of its text. `logprobs` k returns the chosen token's log-probability and the k most likely
     (0: the chosen only). `eos_token_ids` are the model's end tokens (the generation config's and the
     tokenizer's); they stop generation unless `ignore_eos`, while `stop_token_ids` always do. `min_tokens`
-    (vLLM's): no end or stop token can be drawn before that many tokens are out (stop strings still apply).
+    (vLLM's): no end or stop token can be drawn before that many tokens are out (stop strings still apply;
+    a request with a grammar ends where its grammar does). `structured` constrains the text to a grammar
+    (engine/structured.py: a JSON schema, any JSON object, a regex, a choice, EBNF). `skip_special_tokens`
+    False keeps special tokens in the text (tool-call markers such as InternLM2's <|action_start|>).
     """
 
     max_tokens: Optional[int] = None
@@ -132,6 +136,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     eos_token_ids: Optional[list[int]] = None
     min_tokens: int = 0
+    structured: Optional[StructuredOutput] = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -186,6 +192,9 @@ class SamplingParams:
             raise ConfigError(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 turns it off).")
         if self.logprobs is not None and self.logprobs < 0:
             raise ConfigError(f"logprobs {self.logprobs} must be ≥ 0 (0: the chosen token's only).")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ConfigError("structured must be a StructuredOutput (StructuredOutput.json_schema(...), "
+                              ".regex(...), .choice([...]), .grammar(...), .json_object()).")
 
 
 def _token_ids(value: Any) -> list[int]:

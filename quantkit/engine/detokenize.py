@@ -42,7 +42,10 @@ def token_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]],
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, seq: Sequence, skip_special_tokens: Optional[bool] = None) -> None:
+        """skip_special_tokens: None takes the sequence's own setting (SamplingParams.skip_special_tokens)."""
+        if skip_special_tokens is None:
+            skip_special_tokens = seq.params.skip_special_tokens
         self.tokenizer, self.seq, self.skip_special_tokens = tokenizer, seq, skip_special_tokens
         self.decode = token_decoder(tokenizer, skip_special_tokens)
         self._prefix: tuple[int, int, str] = (-1, -1, "")  # (start, end, text) of the last prefix decoded

@@ -29,6 +29,7 @@ from quantkit.engine.multimodal import MultiModalPrompt
 from quantkit.engine.sampler import Sampler
 from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import Sequence
+from quantkit.engine.structured import Grammars, accept
 
 Prompt = Union[str, Seq[int], Seq[dict], MultiModalPrompt]
 log = logging.getLogger(__name__)
@@ -83,13 +84,15 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     return prompt
 
 
-def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Chat messages through the tokenizer's chat template, ready for the assistant's answer. Without a
+def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    """Chat messages through the tokenizer's chat template, ready for the assistant's answer; `tools`
+    (OpenAI's function tools) are given to the template, which shows them to the model. Without a
     template (a base model) the turns are written as 'role: content' lines."""
     if tokenizer is None:
         raise UserError("this engine has no tokenizer: chat messages need one")
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return list(tokenizer(text)["input_ids"])
@@ -136,6 +139,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._grammars: Optional[Grammars] = None   # made with the first request that has a grammar
         self._lock = threading.RLock()          # a host may step in one thread and abort from another
 
     # --- requests -----------------------------------------------------------------------------------
@@ -156,12 +160,21 @@ class Engine:
                 raise UserError(f"request id {request_id!r} is already running: give each request its own id")
             seq = Sequence(token_ids, params, request_id)
             seq.images = images
+            if params.structured is not None:   # compiled here (once per distinct grammar): a bad one raises
+                seq.grammar = self.grammars.matcher(params.structured, seq.stop_ids)
             detok = IncrementalDetokenizer(self.tokenizer, seq) if self.tokenizer is not None else None
             # The last call that can refuse (a prompt the pool or max_model_len cannot hold): nothing is
             # left half-added when anything before it raises.
             self.scheduler.add(seq)
             self._requests[request_id] = _Request(seq, detok)
         return request_id
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiler of the requests' grammars for this model's tokenizer and vocabulary."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
 
     def multimodal_prompt(self, prompt: Prompt) -> Prompt:
         """Chat messages through the checkpoint's processor when it takes images (a `MultiModalPrompt`:
@@ -222,7 +235,11 @@ class Engine:
                 try:
                     if i in errors:
                         raise errors[i]
+                    if seq.grammar is not None:
+                        accept(seq, token_ids[i])
                     self.scheduler.append(seq, token_ids[i], logprobs[i])
+                    if seq.grammar is not None and seq.grammar.is_terminated() and not seq.is_finished:
+                        self.scheduler.finish(seq, "stop")   # the grammar is complete and has no end token
                     out = self._advance(seq, token_ids[i])
                 except Exception as exc:  # this request's fault alone: end it, keep stepping the others
                     out = self._fail(seq, exc)

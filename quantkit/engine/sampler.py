@@ -6,6 +6,7 @@ under min_p × the top probability, and draw from what is left. A draw is argmax
 (the exponential race, equal in law to sampling from p); a seeded request draws its q from its own
 generator, so its tokens depend on its seed only, not on the requests batched with it.
 Log-probabilities are those of the model's own distribution (log-softmax of the raw logits), as vLLM's.
+A sequence with a grammar (engine/structured.py) first has the tokens its grammar forbids set to -inf.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 import torch
 
 from quantkit.engine.sequence import Sequence
+from quantkit.engine.structured import GrammarMask
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: dividing by them overflows
 
@@ -147,7 +149,8 @@ def _pairs(rows_tokens: list[tuple[int, list[int]]], vocab: int, device: torch.d
 def hold_back_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """-inf on the end and stop tokens of the sequences that have fewer than their min_tokens out. Returns
     logits itself when none has, else a masked copy."""
-    rows = [i for i, s in enumerate(seqs) if s.params.min_tokens > s.num_output_tokens and s.stop_ids]
+    rows = [i for i, s in enumerate(seqs) if s.params.min_tokens > s.num_output_tokens and s.stop_ids
+            and getattr(s, "grammar", None) is None]   # a grammar decides where its text ends
     if not rows:
         return logits
     logits = logits.clone()
@@ -178,13 +181,16 @@ class Sampler:
     def __init__(self) -> None:
         self.generator: Optional[torch.Generator] = None  # shared by the unseeded requests
         self.penalties = PenaltyTokens()
+        self.grammars = GrammarMask()
 
     def __call__(self, logits: torch.Tensor,
                  seqs: list[Sequence]) -> tuple[torch.Tensor, list[Optional[TokenLogprobs]]]:
         """logits [N, vocab] float32 of the N sequences' last tokens → (token ids [N] int64 on the device,
         per-sequence TokenLogprobs or None where the request did not ask)."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
+        # First: the grammars' bitmask rows are filled on the host while the device still runs the forward.
         raw = logits
+        logits = self.grammars.apply(logits, seqs, copy=any(s.params.logprobs is not None for s in seqs))
         logits = self.penalties.apply(hold_back_stops(logits, seqs), seqs)
         temps = [s.params.temperature for s in seqs]
         greedy_ids = logits.argmax(dim=1)

@@ -41,6 +41,7 @@ class Sequence:
         self.output_logprobs: list = []                 # one entry per output token when params.logprobs is set
         self.generator = None                           # the sampler's torch.Generator for a seeded request
         self.images = None                              # multimodal.ImageInputs of a prompt with images
+        self.grammar = None                             # XGrammar's matcher when params.structured is set
         eos = [] if self.params.ignore_eos else self.params.eos_token_ids
         self.stop_ids = frozenset(self.params.stop_token_ids) | frozenset(eos)
 

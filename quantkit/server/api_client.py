@@ -206,6 +206,24 @@ class ChatOptions:
     system: Optional[str] = None
     temperature: Optional[float] = None
     max_tokens: Optional[int] = None
+    json_schema: Optional[str] = None   # a file holding a JSON schema: answers come as JSON valid under it
+
+    def response_format(self) -> Optional[dict]:
+        """OpenAI's response_format for `json_schema` (read now: a bad file is a UserError before any turn)."""
+        if self.json_schema is None:
+            return None
+        from pathlib import Path
+
+        path = Path(self.json_schema)
+        try:   # read here, not through the engine's reader: this client needs no torch
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise UserError(f"cannot read the JSON schema {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise UserError(f"{path} is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise UserError(f"{path} holds a JSON {type(schema).__name__}, not a schema (an object)")
+        return {"type": "json_schema", "json_schema": {"name": path.stem or "answer", "schema": schema}}
 
 
 class ApiChatSession:
@@ -213,6 +231,7 @@ class ApiChatSession:
 
     def __init__(self, client: OpenAIClient, options: ChatOptions) -> None:
         self.client, self.options = client, options
+        self.response_format = options.response_format()
         self.messages: list[dict] = []
         self.clear()
 
@@ -225,6 +244,8 @@ class ApiChatSession:
             value = getattr(self.options, key)
             if value is not None:
                 body[key] = value
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
         return body
 
     def answer(self, user_text: str, write) -> str:

@@ -36,7 +36,9 @@ from quantkit.server.metrics import ServerMetrics
 from quantkit.server.limits import RequestLimits
 from quantkit.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from quantkit.server.request_body import parse_request, read_body
+from quantkit.server.structured import GrammarChecker, requested_grammar
 from quantkit.server.token_spelling import TokenSpeller
+from quantkit.server.tool_calls import ToolPlan, detect_parser, plan_tools, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class AppSettings:
     # image parts: data: URLs; local files only under --allowed-local-media-path; sizes capped
     images: ImagePolicy = field(default_factory=ImagePolicy.served)
     limits: RequestLimits = field(default_factory=RequestLimits)   # body bytes, prompts, messages, stops
+    tool_call_parser: Optional[str] = None   # how `auto` tool calls are read (None: from the chat template)
 
 
 class EventStream(Response):
@@ -86,6 +89,9 @@ class Server:
         self.names = {settings.served_model_name, *settings.model_aliases}
         self.tokenizer = self.info.tokenizer
         self.spell_token = TokenSpeller(self.tokenizer)   # logprobs' `token` and `bytes` of an id
+        self.grammars = GrammarChecker(self.tokenizer, self.info.vocab_size, settings.limits)
+        self.tool_parser = settings.tool_call_parser or detect_parser(
+            getattr(self.tokenizer, "chat_template", None))
 
     # --- checks ---------------------------------------------------------------------------------------
 
@@ -124,21 +130,12 @@ class Server:
 
     # --- tokens ---------------------------------------------------------------------------------------
 
-    def encode_messages(self, req: ChatCompletionRequest) -> list[int]:
+    def encode_messages(self, req: ChatCompletionRequest, tools: Optional[list[dict]] = None) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        messages = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                if any(part.type != "text" for part in content):
-                    raise APIError(400, "only text content parts are supported by this server",
-                                   param="messages", code="unsupported_parameter")
-                content = "".join(part.text or "" for part in content)
-            role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": content or ""})
+        messages = template_messages(req)
         try:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, tools)
         except Exception as exc:  # jinja's TemplateError and the templates' own raise_exception
             if type(exc).__name__ not in ("TemplateError", "TemplateSyntaxError", "UndefinedError") and \
                     not isinstance(exc, (ValueError, TypeError)):
@@ -169,7 +166,19 @@ class Server:
             return list(self.tokenizer(prompt)["input_ids"])
         return list(prompt)   # ids in the vocabulary: CompletionRequest checked them
 
-    def params(self, req: Any, prompt_len: int, choice: int) -> SamplingParams:
+    async def grammar(self, grammar: Any, param: Optional[str]) -> Any:
+        """The request's StructuredOutput checked (400 naming `param` when it cannot be compiled in time);
+        None when it has none."""
+        if grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise APIError(400, "structured output needs the model's tokenizer, and this model has none",
+                           param=param, code="unsupported_parameter")
+        await self.grammars.check(grammar, param)
+        return grammar
+
+    def params(self, req: Any, prompt_len: int, choice: int, grammar: Any = None,
+               keep_special_tokens: bool = False) -> SamplingParams:
         limit = self.info.max_model_len - prompt_len
         seed = None if req.seed is None else (req.seed + choice) % 2**64   # torch takes [-2**63, 2**64)
         try:
@@ -179,7 +188,8 @@ class Server:
                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, seed=seed, stop=req.stop or [],
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
-                min_tokens=min(req.min_tokens, limit))
+                min_tokens=min(req.min_tokens, limit), structured=grammar,
+                skip_special_tokens=not keep_special_tokens)
             eos = getattr(self.tokenizer, "eos_token_id", None)
             return sp.with_defaults(self.info.generation_config, eos)
         except UserError as exc:
@@ -187,8 +197,10 @@ class Server:
 
     # --- generation -----------------------------------------------------------------------------------
 
-    async def generate(self, endpoint: str, req: Any, prompts: list[Any], request: Request) -> Response:
-        """prompts: token ids each, or one ChatWithImages (its length is known once the engine encoded it)."""
+    async def generate(self, endpoint: str, req: Any, prompts: list[Any], request: Request, grammar: Any = None,
+                       plan: Optional[ToolPlan] = None) -> Response:
+        """prompts: token ids each, or one ChatWithImages (its length is known once the engine encoded it);
+        grammar: the StructuredOutput every choice follows; plan: a chat request's tools."""
         max_model_len = self.info.max_model_len
         for ids in prompts:
             if isinstance(ids, ChatWithImages):
@@ -202,10 +214,12 @@ class Server:
                                param="messages" if endpoint == "chat" else "prompt",
                                code="context_length_exceeded")
         self.check_capacity(len(prompts) * req.n)
-        params = [[self.params(req, 0 if isinstance(ids, ChatWithImages) else len(ids), j) for j in range(req.n)]
-                  for ids in prompts]
+        keep = plan is not None and plan.keeps_special_tokens
+        params = [[self.params(req, 0 if isinstance(ids, ChatWithImages) else len(ids), j, grammar, keep)
+                   for j in range(req.n)] for ids in prompts]
         job = Job(self.loop, self.metrics, endpoint, prompts, params, request.receive)
-        renderer = Renderer(endpoint, self.settings.served_model_name, self.spell_token)
+        renderer = Renderer(endpoint, self.settings.served_model_name, self.spell_token,
+                            plan.extractor if plan is not None and plan.mode != "none" else None)
         want_logprobs = req.num_logprobs is not None
         if req.stream:
             opts = req.stream_options
@@ -247,10 +261,12 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.loop.start()
+        server.grammars.warm()
         try:
             yield
         finally:
             await server.loop.stop()
+            server.grammars.close()
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -282,11 +298,15 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
         req = parse_request(await read_body(request, settings.limits), ChatCompletionRequest, settings.limits,
                             server.info.vocab_size)
         server.check_model(req.model)
+        requested, param = requested_grammar(req)
+        plan = plan_tools(req, server.tool_parser, requested)
         if has_image_parts(req):  # the engine's side runs the vision tower, between its steps
             prompt = server.encode_image_messages(req)
         else:
-            prompt = server.encode_messages(req)
-        return await server.generate("chat", req, [prompt], request)
+            prompt = server.encode_messages(req, plan.tools)
+        # A forced call's grammar, or auto's (which holds the request's own), else the request's own.
+        grammar = await server.grammar(*((plan.grammar, plan.param) if plan.grammar else (requested, param)))
+        return await server.generate("chat", req, [prompt], request, grammar, plan)
 
     async def completions(request: Request) -> Response:
         server.check_auth(request)
@@ -294,7 +314,8 @@ def create_app(backend: Any, settings: AppSettings) -> FastAPI:
                             server.info.vocab_size)
         server.check_model(req.model)
         prompts = [server.encode_prompt(p) for p in req.prompts()]
-        return await server.generate("completions", req, prompts, request)
+        grammar = await server.grammar(*requested_grammar(req))
+        return await server.generate("completions", req, prompts, request, grammar)
 
     async def models(request: Request) -> JSONResponse:
         server.check_auth(request)

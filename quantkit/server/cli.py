@@ -85,6 +85,18 @@ def serve(
     max_json_depth: int = typer.Option(LIMITS.max_json_depth, "--max-json-depth", help="Deepest nesting of "
                                        "arrays and objects in a request body (a chat request with image parts "
                                        "nests 5 deep)."),
+    max_grammar_chars: int = typer.Option(LIMITS.max_grammar_chars, "--max-grammar-chars", help="Longest "
+                                          "structured-output grammar, in characters: a JSON schema (or all of a "
+                                          "request's tool schemas when the call is forced), a regex, the choices, "
+                                          "an EBNF grammar."),
+    grammar_compile_timeout: int = typer.Option(LIMITS.grammar_compile_timeout, "--grammar-compile-timeout",
+                                                help="Seconds a request's grammar may take to compile before it "
+                                                "is answered 400 (a typical JSON schema takes milliseconds)."),
+    tool_call_parser: str | None = typer.Option(None, "--tool-call-parser", help="How tool calls are read from "
+                                                "the text under tool_choice auto: hermes (<tool_call>{…}</tool_call>, "
+                                                "Hermes, Qwen2.5), internlm2 (<|action_start|><|plugin|>{…}"
+                                                "<|action_end|>) or llama3_json (Llama 3.1's bare JSON) (default: "
+                                                "the one the chat template shows, else hermes)."),
     engine_step_timeout: float = typer.Option(120.0, "--engine-step-timeout", help="Seconds the engine may go "
                                               "without finishing a step while requests are pending before the "
                                               "watchdog counts it as hung: its process is killed and restarted "
@@ -114,6 +126,7 @@ def serve(
                           log_level="warning" if quiet else "info", engine_thread=engine_thread,
                           engine_step_timeout=engine_step_timeout, engine_restarts=engine_restarts,
                           allowed_local_media_path=allowed_local_media_path, max_image_bytes=max_image_bytes,
-                          max_image_pixels=max_image_pixels,
+                          max_image_pixels=max_image_pixels, tool_call_parser=tool_call_parser,
                           limits=RequestLimits(max_request_bytes, max_prompts_per_request, max_messages, max_stop,
-                                               max_stop_chars, max_json_depth)))
+                                               max_stop_chars, max_json_depth, max_grammar_chars,
+                                               grammar_compile_timeout)))

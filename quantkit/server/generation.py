@@ -138,9 +138,11 @@ class Job:
 class Renderer:
     """Builds the OpenAI bodies of one endpoint ("chat" or "completions") for a served model name."""
 
-    def __init__(self, endpoint: str, model: str, spell: Callable[[int], TokenSpelling]) -> None:
+    def __init__(self, endpoint: str, model: str, spell: Callable[[int], TokenSpelling],
+                 tool_calls: Optional[Callable[[], Any]] = None) -> None:
+        """tool_calls: makes a choice's tool-call extractor (tool_calls.py) when the request has tools."""
         self.chat = endpoint == "chat"
-        self.model, self.spell = model, spell
+        self.model, self.spell, self.tool_calls = model, spell, tool_calls
         self.object = "chat.completion" if self.chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         self.id_prefix = "chatcmpl-" if self.chat else "cmpl-"
@@ -183,7 +185,18 @@ class Renderer:
         for i, c in enumerate(job.choices):
             text = "".join(c.text)
             lp = self.logprobs(logprobs[i]) if want_logprobs else None
-            if self.chat:
+            if self.chat and self.tool_calls is not None:
+                extractor = self.tool_calls()
+                found = extractor.feed(text)
+                found += extractor.finish()
+                calls = [{"id": d["id"], "type": "function", "function": d["function"]} for d in found.tool_calls]
+                message = {"role": "assistant", "content": found.content if found.content.strip() or not calls
+                           else None}
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": _finish_reason(c.finish_reason, calls)})
+            elif self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                                 "finish_reason": c.finish_reason})
             else:
@@ -212,7 +225,9 @@ class Renderer:
         text_pre = [f'data: {head_json},"choices":[{{"index":{i},{key}' for i in range(len(job.choices))]
         text_post = ('}' if self.chat else '') + ',"logprobs":null,"finish_reason":null}]' + \
             (',"usage":null' if include_usage else "") + "}\n\n"
-        fast = not want_logprobs and not continuous_usage
+        fast = not want_logprobs and not continuous_usage and self.tool_calls is None
+        extractors = [self.tool_calls() for _ in job.choices] if self.chat and self.tool_calls is not None else None
+        called = [False] * len(job.choices)
 
         if self.chat:
             for i in range(len(job.choices)):
@@ -232,6 +247,17 @@ class Renderer:
                 offsets[i] += len(d.text)
                 if fast and d.text and not d.finish_reason:
                     parts.append((text_pre[i] + json.dumps(d.text, ensure_ascii=False) + text_post).encode())
+                elif extractors is not None:
+                    found = extractors[i].feed(d.text)
+                    if d.finish_reason:
+                        found += extractors[i].finish()
+                    called[i] = called[i] or bool(found.tool_calls)
+                    if found.content or lp:
+                        parts.append(chunk(i, {"delta": {"content": found.content}, "logprobs": lp}, None))
+                    if found.tool_calls:
+                        parts.append(chunk(i, {"delta": {"tool_calls": found.tool_calls}}, None))
+                    if d.finish_reason:
+                        parts.append(chunk(i, {"delta": {}}, _finish_reason(d.finish_reason, called[i])))
                 elif self.chat:
                     if d.text or lp:
                         parts.append(chunk(i, {"delta": {"content": d.text}, "logprobs": lp}, None))
@@ -245,3 +271,8 @@ class Renderer:
             usage = usage_dict(job.prompt_tokens, job.completion_tokens)
             yield sse({**head, "choices": [], "usage": usage})
         yield DONE
+
+
+def _finish_reason(reason: Optional[str], called: Any) -> Optional[str]:
+    """"tool_calls" for an answer that ended by itself with calls in it (OpenAI's); else the engine's."""
+    return "tool_calls" if called and reason == "stop" else reason

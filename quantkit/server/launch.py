@@ -50,8 +50,13 @@ class ServeConfig:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     limits: RequestLimits = field(default_factory=RequestLimits)   # caps on one request's body (limits.py)
+    tool_call_parser: Optional[str] = None      # tool_choice auto's format (None: from the chat template)
 
     def __post_init__(self) -> None:
+        from quantkit.server.tool_calls import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise UserError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}")
         root = self.allowed_local_media_path
         if root is not None and not os.path.isdir(root):
             raise UserError(f"--allowed-local-media-path {root} is not a directory: give the directory whose "
@@ -140,7 +145,7 @@ def serve(config: ServeConfig, before_step: Optional[Callable[[], None]] = None)
     settings = AppSettings(
         served_model_name=config.model_name, model_aliases=(config.model,), api_key=config.api_key,
         max_queue=config.max_queue, allow_origins=tuple(config.allow_origins), images=config.image_policy(),
-        limits=config.limits)
+        limits=config.limits, tool_call_parser=config.tool_call_parser)
     ready = (f"quantkit serve: ready at {url} (model {config.model_name!r}, {info.num_blocks} KV blocks of "
              f"{info.block_size} tokens, context {info.max_model_len} tokens)")
 

@@ -3,7 +3,8 @@
 Kept apart from protocol.py (pydantic) so that the command line can state the defaults in `--help`
 without importing the server. Each cap bounds work done per request outside the engine's own budget:
 the body is read and parsed whole, every prompt is tokenized, every message goes through the chat
-template and every stop string is scanned at every step, all before the context length is known.
+template and every stop string is scanned at every step, all before the context length is known; a
+grammar is compiled against the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class RequestLimits:
     max_stop: int = 16                  # --max-stop: stop strings per request
     max_stop_chars: int = 512           # characters per stop string
     max_json_depth: int = 64            # nesting of the body's arrays and objects (a valid request has 5)
+    # --max-grammar-chars: a structured-output grammar's text (a JSON schema, the tools' schemas, a regex,
+    # choices, EBNF); --grammar-compile-timeout: seconds its compilation may take before a 400
+    max_grammar_chars: int = 64 * 1024
+    grammar_compile_timeout: int = 10
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -6,7 +6,9 @@ a 64-bit seed, finite floats, min_tokens within max_tokens) and count what `Requ
 context (request_body.py reads and validates a request). Every problem becomes `APIError`, which the
 app renders as `{"error": {"message", "type", "param", "code"}}` with its HTTP status. Unknown fields
 are ignored (clients send `user`, `store`, `metadata`...); known fields with values the engine cannot
-honour (tools, logit_bias, echo...) are refused with a sentence that says so.
+honour (logit_bias, echo...) are refused with a sentence that says so. Structured output comes as
+OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields (structured.py
+turns them into the engine's grammar); tools as OpenAI's `tools` / `tool_choice` (tool_calls.py).
 """
 
 from __future__ import annotations
@@ -69,11 +71,82 @@ class ContentPart(BaseModel):
     image_url: Union[str, dict, None] = None   # {"url": "data:image/png;base64,…" or a path}
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., min_length=1)
+    arguments: Union[str, dict] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None   # an assistant turn's calls
+    tool_call_id: Optional[str] = None                    # a tool turn: the call it answers
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., min_length=1, max_length=256)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None   # a JSON schema of the arguments (None: any object)
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(..., min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs` field: one of a JSON schema, a regex, a choice, an EBNF grammar, any
+    JSON object, a structural tag."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Union[dict[str, Any], str, None] = None   # XGrammar's {"type": "structural_tag", "format": …}
 
 
 class SamplingFields(BaseModel):
@@ -100,6 +173,12 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
     @field_validator("top_k")
@@ -152,8 +231,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -166,12 +246,18 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported by this server", param="tools",
-                           code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text is not supported by this server",
-                           param="response_format", code="unsupported_parameter")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise APIError(400, f"two tools are named {dup!r}: give each tool its own name", param="tools",
+                           code="invalid_value")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools"
+                           + (f" ({', '.join(map(repr, names))})" if names else " (none given)"),
+                           param="tool_choice", code="invalid_value")
+        if choice == "required" and not names:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice", code="invalid_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 

@@ -162,4 +162,5 @@ def _short(text: str, limit: int = 120) -> str:
 
 
 def _is_type_name(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "dict", "none") or part.startswith(("list[", "ContentPart"))
+    return part in ("str", "int", "float", "bool", "dict", "none") or \
+        part.startswith(("list[", "dict[", "literal[", "ContentPart", "NamedToolChoice"))

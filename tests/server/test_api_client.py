@@ -5,6 +5,7 @@ server of tests/support/quantkit_testing/fake_openai.py."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import select
 import signal
@@ -190,3 +191,21 @@ def test_against_quantkit_serve(qk_server):
     second = whole(history)
     assert first and second
     assert f">>> {first}\n\n>>> {second}\n\n>>> " in proc.stdout
+
+
+def test_json_schema_against_quantkit_serve(qk_server, tmp_path):
+    """`--json-schema FILE`: every answer is JSON valid under the schema; a file that is no schema is one line."""
+    schema = {"type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
+              "required": ["word"], "additionalProperties": False}
+    path = tmp_path / "answer.json"
+    path.write_text(json.dumps(schema))
+    proc = subprocess.run(cli(qk_server.url, "--max-tokens", "40", "--json-schema", str(path)),
+                          input="the model quantizes weights\nexit\n", capture_output=True, text=True, timeout=60,
+                          env=ENV)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    answer = proc.stdout.split(">>> ")[1].strip()
+    assert set(json.loads(answer)) == {"word"} and json.loads(answer)["word"].isalpha()
+    path.write_text("[1]")
+    bad = subprocess.run(cli(qk_server.url, "--json-schema", str(path)), input="x\n", capture_output=True,
+                         text=True, timeout=60, env=ENV)
+    assert bad.returncode == 2 and bad.stderr.strip() == f"error: {path} holds a JSON list, not a schema (an object)"

@@ -37,7 +37,7 @@ USER = [{"role": "user", "content": "the model"}]
     ({"messages": USER, "model": "gpt-9"}, 404, "model", "model_not_found"),
     ({"messages": [{"role": "user", "content": "the model " * 200}]}, 400, "messages", "context_length_exceeded"),
     ({"messages": USER, "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter"),
-    ({"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, 400, "tools.0.function", "missing_required_parameter"),
     ({"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None),
     ({"messages": USER, "n": 1000}, 400, "n", "invalid_value"),
 ])

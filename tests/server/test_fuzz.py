@@ -95,8 +95,20 @@ CHAT = {
     "logprobs": (st.booleans(), anything),
     "top_logprobs": (st.integers(0, 20), hostile(hostile_ints)),
     "tools": (st.just([]), anything),
-    "response_format": (st.just({"type": "text"}), anything),
+    "tool_choice": (st.sampled_from(["none", "auto"]), anything),
+    "parallel_tool_calls": (st.booleans(), anything),
+    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]), anything),
 }
+# Structured output, on both endpoints: plausible grammars, or anything in their place.
+GRAMMARS = {
+    "guided_regex": (st.sampled_from(["[a-z]{1,3}", "(yes|no)", "[0-9]+"]), anything),
+    "guided_choice": (st.lists(texts.filter(bool), min_size=1, max_size=3), anything),
+    "guided_json": (st.just({"type": "boolean"}), anything),
+    "guided_grammar": (st.just('root ::= "a" | "b"'), anything),
+    "structured_outputs": (st.sampled_from([{"regex": "[0-9]"}, {"choice": ["x"]}, {"json": {"enum": [1, 2]}}]),
+                           anything),
+}
+CHAT.update(GRAMMARS)
 COMPLETIONS = {
     **SAMPLING,
     "prompt": (st.one_of(texts.filter(str.strip), st.lists(texts.filter(str.strip), min_size=1, max_size=4),
@@ -108,6 +120,7 @@ COMPLETIONS = {
     "logprobs": (st.integers(0, 20), hostile(hostile_ints)),
     "echo": (st.just(False), anything),
     "best_of": (st.just(1), hostile(hostile_ints)),
+    **GRAMMARS,
 }
 REQUIRED = ("max_tokens", "messages", "prompt")
 

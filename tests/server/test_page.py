@@ -209,3 +209,46 @@ def test_page_against_quantkit_serve(browser, qk_server, front):
         assert answer == whole["choices"][0]["message"]["content"] and answer
     # The token count is the server's usage (no "≈"), for the last answer.
     assert re.fullmatch(r"Last answer: [1-8] tokens · .* tok/s · first token after [\d.]+ s", stats), stats
+
+
+def test_page_shows_tool_calls(browser, qk_server):
+    """With tools and tool choice `required` in the settings, the page shows the server's call (the tool's
+    name and its arguments) as it streams, and sends it back with the next turn as the assistant's
+    tool_calls."""
+    import json
+
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+        "additionalProperties": False}}}
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions")
+                else None)
+        page.goto(qk_server.url + "/")
+        page.wait_for_function("() => !['', 'loading…'].includes(document.getElementById('model').value)")
+        page.click("#settings summary")
+        page.fill("#max-tokens", "60")
+        page.fill("#tools", json.dumps([tool]))
+        page.select_option("#tool-choice", "required")
+        say(page, "add")
+        page.wait_for_selector("[data-role=assistant] .call .name", timeout=30_000)
+        page.wait_for_function(IDLE, timeout=30_000)
+        name = page.text_content("[data-role=assistant] .call .name")
+        shown_args = page.text_content("[data-role=assistant] .call .args")
+        say(page, "again")
+        page.wait_for_function("() => document.querySelectorAll('[data-role=assistant]').length === 2",
+                               timeout=30_000)
+        page.wait_for_function(IDLE, timeout=30_000)
+        shown_error = page.is_visible("#error")
+    finally:
+        context.close()
+    assert not errors and not shown_error
+    assert name.endswith("add") and 0 <= json.loads(shown_args)["a"] <= 9
+    assert sent[0]["tools"] == [tool] and sent[0]["tool_choice"] == "required"
+    [call] = sent[1]["messages"][1]["tool_calls"]
+    assert sent[1]["messages"][1]["content"] is None and call["function"]["name"] == "add"
+    assert json.loads(call["function"]["arguments"]) == json.loads(shown_args) and call["id"].startswith("call_")

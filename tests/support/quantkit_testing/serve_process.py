@@ -17,9 +17,14 @@ from typing import Optional
 
 from quantkit_testing.tiny import make_tiny_model, make_tokenizer
 
-# System turns, alternating roles, and an end token after each turn, as real chat templates have.
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# System turns, alternating roles, and an end token after each turn, as real chat templates have; tools
+# and earlier tool calls written as Hermes-style templates write them (<tool_call>…</tool_call>).
+# (The tools are named, not shown whole: the tiny model's context is 256 tokens.)
+CHAT_TEMPLATE = ("{% if tools %}<|system|>Call <tool_call>{name, arguments}</tool_call>: "
+                 "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}</s>{% endif %}"
+                 "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+                 "</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SERVED_NAME = "tiny-chat"
 START_TIMEOUT = 120.0
 
