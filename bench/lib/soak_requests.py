@@ -37,8 +37,11 @@ INVALID_FIELDS: dict[str, list[dict[str, Any]]] = {
     "unknown-model": [{"model": "no-such-model"}],
     "missing-field": [{"messages": DROP}, {"prompt": DROP}, {"messages": []}, {"prompt": []},
                       {"messages": [{"role": "wizard", "content": "hi"}]}, {"messages": [{"content": "hi"}]}],
-    "unsupported": [{"logit_bias": {"5": 1.0}}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-                    {"response_format": {"type": "json_object"}}, {"echo": True}, {"suffix": "x"}, {"best_of": 3}],
+    # tools and response_format are served (issue #37): a tool without a name and a schema of an unknown
+    # type are what the server must still refuse
+    "unsupported": [{"logit_bias": {"5": 1.0}}, {"tools": [{"type": "function", "function": {"description": "f"}}]},
+                    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+                    {"echo": True}, {"suffix": "x"}, {"best_of": 3}],
 }
 CHAT_ONLY = {"messages", "tools", "response_format", "top_logprobs"}
 COMPLETIONS_ONLY = {"prompt", "echo", "suffix", "best_of", "logprobs"}
