@@ -82,13 +82,14 @@ def scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight
     weight_scale [1, N]), in `dtype` or, where this torch's row-wise product refuses it, in bf16 and cast."""
     m, n = q.shape[0], weight.shape[0]
     sa, sb = scale.reshape(-1, 1), weight_scale.reshape(1, -1)
-    if sa.numel() > 1 or sb.numel() > 1:
+    rowwise = sa.numel() > 1 or sb.numel() > 1
+    if rowwise:
         sa = sa.expand(m, 1).contiguous() if sa.shape[0] != m else sa
         sb = sb.expand(1, n).contiguous() if sb.shape[1] != n else sb
         out_dtype = _rowwise_dtype(q.device, dtype)
     else:
         sa, sb, out_dtype = sa.reshape(()), sb.reshape(()), dtype
-    fused_bias = bias if out_dtype == dtype else None
+    fused_bias = bias if not rowwise else None  # torch versions differ on a bias with row-wise scales: added after
     y = torch._scaled_mm(q, weight.t(), scale_a=sa, scale_b=sb, bias=fused_bias, out_dtype=out_dtype)
     if out_dtype != dtype:
         y = y.to(dtype)
