@@ -1,4 +1,4 @@
-"""The engine's Triton kernels (kernels/triton_paged.py, triton_prefill.py, triton_fused.py) compile for Hopper
+"""The engine's Triton kernels (kernels/triton_paged.py, triton_prefill.py, triton_fused.py, triton_fp8.py) compile for Hopper
 (sm_90) without a GPU, in the configurations their launchers use at Llama shapes (head_dim 128, GQA
 4:1, blocks of 16 tokens). The CPU interpreter runs their Python but not Triton's compiler, which
 rejects some programs the interpreter accepts; the compile runs in a subprocess because this folder's
@@ -19,7 +19,11 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quantkit.kernels import triton_fused as tf, triton_paged as tp, triton_prefill as tpf
+    import triton.language as tl
+
+    from quantkit.kernels import triton_fp8 as t8, triton_fused as tf, triton_paged as tp, triton_prefill as tpf
+    from quantkit.kernels.dispatch_table import TABLE
+    from quantkit.packing import E4M3_MAX, FP8_MIN_SCALE
 
     def build(fn, signature, constexprs, **options):
         sig = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -59,10 +63,34 @@ SCRIPT = textwrap.dedent("""
         count += 1
     build(tp.merge_kernel, {"part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                             "out_ptr": "*fp16", "partitions": "i32"}, dict(D=128, BLOCK_P=tp.MAX_PARTITIONS, BLOCK_D=128), num_warps=4)
+    fp8 = dict(MIN_SCALE=FP8_MIN_SCALE, FP8_MAX=E4M3_MAX)
     for residual in (False, True):
-        build(tf.rms_norm_kernel, {"x_ptr": "*fp16", "res_ptr": "*fp16", "w_ptr": "*fp16", "out_ptr": "*fp16",
-                                   "h_ptr": "*fp16", "n": "i32", "stride_x": "i32", "stride_r": "i32", "eps": "fp32"},
-              dict(HAS_RESIDUAL=residual, BLOCK=4096), num_warps=4)
+        for quant, static in ((False, False), (True, False), (True, True)):  # plain; e4m3 per token; static scale
+            build(tf.rms_norm_kernel, {"x_ptr": "*fp16", "res_ptr": "*fp16", "w_ptr": "*fp16",
+                                       "out_ptr": "*fp8e4nv" if quant else "*fp16", "h_ptr": "*fp16", "s_ptr": "*fp32",
+                                       "static_ptr": "*fp32", "n": "i32", "stride_x": "i32", "stride_r": "i32",
+                                       "eps": "fp32"},
+                  dict(HAS_RESIDUAL=residual, BLOCK=4096, OUT_DTYPE=tl.float16, QUANT=quant, STATIC=static, **fp8),
+                  num_warps=4)
+            count += 1
+    for static in (False, True):
+        build(t8.quantize_kernel, {"x_ptr": "*fp16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_ptr": "*fp32",
+                                   "n": "i32", "stride_x": "i32"}, dict(STATIC=static, BLOCK=4096, **fp8), num_warps=4)
+        build(t8.silu_mul_quantize_kernel, {"x_ptr": "*fp16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                                            "static_ptr": "*fp32", "inter": "i32", "stride_x": "i32"},
+              dict(OUT_DTYPE=tl.float16, STATIC=static, BLOCK=2048, **fp8), num_warps=8)
+        count += 2
+    dot = {"x_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "bias_ptr": "*fp16",
+           "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_om": "i32", "SPLIT_K": "i32"}
+    rows = {tuple(sorted(c.params.items())) for key, rows in TABLE.items() if key.startswith("fp8 ")
+            for _, c in rows if c.method == "fp8-dot"}
+    for params in sorted(rows):
+        p = dict(params)
+        build(t8.dot_kernel, dot, dict(X_PER_TOKEN=True, W_PER_CHANNEL=True, BLOCK_N=p["block_n"], BLOCK_M=p["block_m"],
+                                       BLOCK_K=p["block_k"], SPLIT=p["split_k"] > 1, HAS_BIAS=False,
+                                       NUM_STAGES=p["num_stages"]), num_warps=p["num_warps"], num_stages=p["num_stages"])
+        count += 1
     for interleaved in (False, True):
         build(tf.rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32",
                                "q_heads": "i32", "k_heads": "i32", "stride_qt": "i32", "stride_qh": "i32",
@@ -70,7 +98,7 @@ SCRIPT = textwrap.dedent("""
               dict(HALF=64, BLOCK_HALF=64, INTERLEAVED=interleaved, BLOCK_QH=32, BLOCK_KH=8), num_warps=4)
     build(tf.silu_mul_kernel, {"x_ptr": "*fp16", "out_ptr": "*fp16", "inter": "i32", "stride_x": "i32"},
           dict(BLOCK=1024), num_warps=4)
-    print("compiled", count + 6)
+    print("compiled", count + 4, "of", 28 + len(rows))
 """)
 
 
@@ -81,4 +109,7 @@ def test_engine_kernels_compile_for_hopper():
     if proc.returncode and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip("this Triton install has no ptxas to assemble for sm_90")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "20"
+    # 14 paged kernels, 6 RMSNorm forms (plain, e4m3 per token, static; with and without the residual), rope ×2,
+    # SiLU·mul, merge, 4 FP8 quantize kernels and one FP8 product per configuration the dispatch rows name
+    words = proc.stdout.split()
+    assert words[-3] == words[-1] and int(words[-1]) > 28, proc.stdout
