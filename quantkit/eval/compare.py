@@ -207,9 +207,11 @@ def compare(fp_model: str | Path, checkpoints: Sequence[str | Path], datasets: O
     _check([fp_model, *checkpoints], kv_bits, kv, device)
     texts = _texts(datasets, data_dir)
     fp = load_engine_model(fp_model, device)
-    settings = _settings(fp, list(dict.fromkeys([16, *kv_bits])), kv, seqlen)
+    # Without perplexity a setting's runner only names its pool (kv_label): one block is enough.
+    pool = seqlen if texts else EngineConfig.block_size
+    settings = _settings(fp, list(dict.fromkeys([16, *kv_bits])), kv, pool)
     for c in checkpoints:
-        settings += _settings(load_engine_model(c, device), kv_bits, kv, seqlen)
+        settings += _settings(load_engine_model(c, device), kv_bits, kv, pool)
     _measure(settings, texts, seqlen, windows, progress, reference=True)
     if task_docs:
         _measure_tasks(settings, task_docs, tasks.num_fewshot, kv, device, progress)
