@@ -121,10 +121,10 @@ def test_paired_difference_counts_flips_and_brackets_the_mean():
         return TaskResult("t", len(preds), 0, "acc", {}, {}, [0] * len(preds), {"acc": preds})
 
     ref, other = result([0, 0, 0, 1, 1, 0, 0, 0]), result([1, 0, 0, 0, 0, 1, 1, 0])
-    d = paired_difference(ref, other)  # correct: ref 6 of 8, other 4 of 8
+    d = paired_difference(ref, other)  # correct: ref 6 of 8, other 5 of 8
     diffs = [-1, 0, 0, 1, 1, -1, -1, 0]
-    sd = math.sqrt(sum((x + 0.25) ** 2 for x in diffs) / 7)
-    assert (d.lost, d.gained, d.items) == (3, 1, 8) and d.diff == pytest.approx(-0.25)
+    sd = math.sqrt(sum((x + 0.125) ** 2 for x in diffs) / 7)
+    assert (d.lost, d.gained, d.items) == (3, 2, 8) and d.diff == pytest.approx(-0.125)
     assert d.high - d.diff == pytest.approx(1.959964 * sd / math.sqrt(8)) and d.low < d.diff
     with pytest.raises(ValueError, match="same documents"):
         paired_difference(ref, result([0, 0]))
