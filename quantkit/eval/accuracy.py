@@ -160,7 +160,10 @@ def scoring_config(config: EngineConfig, device_type: str) -> EngineConfig:
     if step == EngineConfig.max_num_batched_tokens:
         step = CUDA_STEP_TOKENS if device_type == "cuda" else CPU_STEP_TOKENS
     tokens = config.num_kv_tokens or (None if device_type == "cuda" else max(CPU_KV_TOKENS, 2 * step))
-    return dataclasses.replace(config, cuda_graphs=False, max_num_batched_tokens=step, num_kv_tokens=tokens)
+    # max_num_seqs = the step: the runner's warm-up then computes as many logits rows as a step may want, so
+    # the pool sized after it leaves them room.
+    return dataclasses.replace(config, cuda_graphs=False, max_num_batched_tokens=step, max_num_seqs=step,
+                               num_kv_tokens=tokens)
 
 
 def run_task(scorer: LoglikelihoodScorer, tokenizer: Any, spec: TaskSpec, docs: list[TaskDoc], num_fewshot: int,

@@ -27,6 +27,8 @@ from quantkit.engine.config import EngineConfig
 from quantkit.engine.model_runner import ModelRunner
 from quantkit.engine.sequence import Sequence
 
+LSE_ROWS = 1024
+
 
 @dataclass(frozen=True)
 class ScoreRequest:
@@ -210,8 +212,10 @@ class LoglikelihoodScorer:
         logits = self.runner.prompt_logits([(item.seq, n) for item, n in batch], torch.tensor(rows, dtype=torch.long))
         if slots:
             dev = logits.device
-            logprobs = logits.log_softmax(-1)
-            picked = logprobs[torch.tensor(pick_row, device=dev), torch.tensor(pick_token, device=dev)]
+            # log p = logit − logsumexp over the vocabulary, a slice of rows at a time: no second [rows, vocab] copy
+            lse = torch.cat([torch.logsumexp(part, -1) for part in logits.split(LSE_ROWS)])
+            rows_t = torch.tensor(pick_row, device=dev)
+            picked = logits[rows_t, torch.tensor(pick_token, device=dev)] - lse[rows_t]
             sums = torch.zeros(len(slots), dtype=torch.float64, device=dev)
             sums.index_add_(0, torch.tensor(pick_slot, device=dev), picked.double())
             for (d, j), v in zip(slots, sums.tolist()):
