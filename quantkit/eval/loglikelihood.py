@@ -27,7 +27,7 @@ from quantkit.engine.config import EngineConfig
 from quantkit.engine.model_runner import ModelRunner
 from quantkit.engine.sequence import Sequence
 
-LSE_ROWS = 1024
+SOFTMAX_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,11 @@ class LoglikelihoodScorer:
         logits = self.runner.prompt_logits([(item.seq, n) for item, n in batch], torch.tensor(rows, dtype=torch.long))
         if slots:
             dev = logits.device
-            # log p = logit − logsumexp over the vocabulary, a slice of rows at a time: no second [rows, vocab] copy
-            lse = torch.cat([torch.logsumexp(part, -1) for part in logits.split(LSE_ROWS)])
-            rows_t = torch.tensor(pick_row, device=dev)
-            picked = logits[rows_t, torch.tensor(pick_token, device=dev)] - lse[rows_t]
+            rows_t, tokens_t = torch.tensor(pick_row, device=dev), torch.tensor(pick_token, device=dev)
+            picked = torch.empty(len(pick_row), dtype=logits.dtype, device=dev)
+            for a in range(0, logits.shape[0], SOFTMAX_ROWS):  # a slice at a time: no second [rows, vocab] copy
+                mine = (rows_t >= a) & (rows_t < a + SOFTMAX_ROWS)
+                picked[mine] = logits[a:a + SOFTMAX_ROWS].log_softmax(-1)[rows_t[mine] - a, tokens_t[mine]]
             sums = torch.zeros(len(slots), dtype=torch.float64, device=dev)
             sums.index_add_(0, torch.tensor(pick_slot, device=dev), picked.double())
             for (d, j), v in zip(slots, sums.tolist()):
