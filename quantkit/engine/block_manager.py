@@ -71,13 +71,15 @@ class BlockManager:
 
     # --- admission --------------------------------------------------------------------------------
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The blocks already holding seq's leading full blocks. The last token is always left to compute:
-        its logits give the next token."""
+    def _cached_prefix(self, seq: Sequence, max_cached_tokens: Optional[int] = None) -> list[int]:
+        """The blocks already holding seq's leading full blocks, up to `max_cached_tokens` tokens. By default the
+        last token is left to compute: its logits give the next token (a scorer that wants the logits of every
+        token from some position on passes that position)."""
         if not self.prefix_caching:
             return []
+        limit = len(seq) - 1 if max_cached_tokens is None else min(max_cached_tokens, len(seq))
         found = []
-        for i in range((len(seq) - 1) // self.block_size):
+        for i in range(limit // self.block_size):
             block_id = self.key_to_block.get(self._key(seq, i))
             if block_id is None:
                 break
@@ -95,15 +97,16 @@ class BlockManager:
             keys.append(block_key(parent, tokens))
         return keys[i]
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        cached = self._cached_prefix(seq)
+    def can_allocate(self, seq: Sequence, max_cached_tokens: Optional[int] = None) -> bool:
+        cached = self._cached_prefix(seq, max_cached_tokens)
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # taken back from the free list
         return seq.num_blocks(self.block_size) - len(cached) + revived <= len(self.free)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for all of seq's tokens, sharing cached ones; seq.num_computed_tokens = the cached prefix."""
+    def allocate(self, seq: Sequence, max_cached_tokens: Optional[int] = None) -> None:
+        """Blocks for all of seq's tokens, sharing cached ones (at most `max_cached_tokens` tokens' worth, see
+        `_cached_prefix`); seq.num_computed_tokens = the cached prefix."""
         assert not seq.block_table, f"{seq} already holds blocks"
-        cached = self._cached_prefix(seq)
+        cached = self._cached_prefix(seq, max_cached_tokens)
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -251,11 +251,13 @@ class ModelRunner:
         return logits, step.sampled
 
     @torch.no_grad()
-    def prompt_logits(self, batch) -> torch.Tensor:
+    def prompt_logits(self, batch, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward one batch of prefill chunks, as `run`, and return the float32 logits [T, vocab] of every
-        new token in batch order, not only of the sampled ones (prompt log-probabilities, perplexity)."""
+        new token in batch order, not only of the sampled ones (prompt log-probabilities, perplexity); with
+        `rows` (int64 indices into those T tokens) the logits of those rows only."""
         step = self.prepare(batch)
-        return self.model.compute_logits(self._forward(step))
+        hidden = self._forward(step)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows.to(hidden.device)])
 
     # --- CUDA graphs for decode steps ---------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Perplexity of several models and KV-cache settings by one protocol, through the engine (the decoder
+"""Perplexity (and, with `tasks`, task accuracy: eval/accuracy.py) of several models and KV-cache settings by one protocol, through the engine (the decoder
 and paged KV pool `serve` runs; transformers' own model with `reference`), and how far each row is from
 a reference row, per dataset: Δ % of perplexity, the mean KL divergence of its next-token distributions
 and top-1 agreement (eval/divergence.py). The rows and their rendering live in eval/report.py.
@@ -49,6 +49,7 @@ class _Setting:
     em: EvalModel
     row: ModelRow
     logits: Callable[[torch.Tensor], torch.Tensor]
+    kv_bits: int = 16
 
 
 def _settings(em: EvalModel, kv_bits: Sequence[int], kv: KVSettings, seqlen: int) -> list[_Setting]:
@@ -68,7 +69,7 @@ def _settings(em: EvalModel, kv_bits: Sequence[int], kv: KVSettings, seqlen: int
 
             stats = str(stats_file_for(em.path, kv.stats))
         runner = engine_runner(em.model, b, seqlen, kv_scales=kv.scales, kv_stats=stats, kv_rotation=kv.rotation)
-        out.append(_Setting(em, row(kv_label(runner)), partial(window_logits, runner)))
+        out.append(_Setting(em, row(kv_label(runner)), partial(window_logits, runner), b))
     return out
 
 
@@ -159,14 +160,46 @@ def evaluate_models(paths: Sequence[str | Path], datasets: Sequence[str] = ("ptb
     return Comparison(rows, list(texts), seqlen, windows, "each model's KV16 row" if quantized else None)
 
 
-def compare(fp_model: str | Path, checkpoints: Sequence[str | Path], datasets: Sequence[str] = ("ptb",),
+def _measure_tasks(settings: list[_Setting], tasks: dict, num_fewshot: int, kv: KVSettings, device: Optional[str],
+                   progress: bool) -> None:
+    """Each row's accuracy on each task (one scorer, its own KV pool, per row, freed before the next), then
+    every row's paired difference from settings[0], the reference row."""
+    from quantkit.eval.accuracy import paired_difference, run_task, task_scorer
+
+    for s in settings:
+        config = EngineConfig(kv_bits=s.kv_bits, kv_scales=kv.scales, kv_stats=kv.stats, kv_rotation=kv.rotation,
+                              device=device)
+        scorer = task_scorer(s.em.model, s.em.path, config)
+        for name, (spec, docs) in tasks.items():
+            s.row.tasks[name] = run_task(scorer, s.em.tokenizer, spec, docs, num_fewshot, progress,
+                                         desc=f"{s.row.name} {s.row.kv} {name}")
+        del scorer
+        gc.collect()
+    for s in settings[1:]:
+        for name in tasks:
+            s.row.task_delta[name] = paired_difference(settings[0].row.tasks[name], s.row.tasks[name])
+
+
+def compare(fp_model: str | Path, checkpoints: Sequence[str | Path], datasets: Optional[Sequence[str]] = None,
             seqlen: int = 2048, windows: Optional[int] = None, data_dir: Optional[str] = None,
             kv_bits: Sequence[int] = (16,), kv: KVSettings = KVSettings(), device: Optional[str] = None,
-            output: Optional[str | Path] = None, progress: bool = True) -> Comparison:
+            output: Optional[str | Path] = None, progress: bool = True, tasks=None) -> Comparison:
     """Compare quantized checkpoints with their fp model on the engine: every row against the fp model
-    at KV16. With `output` (a .md path) also write the Markdown report and a PNG bar chart of the
-    perplexities beside it (the chart only where matplotlib is installed: `report.write_report`)."""
+    at KV16. `datasets` are perplexity's (default: ptb, or none when `tasks` are given); `tasks` (an
+    accuracy.TaskSettings) adds each row's task accuracy and its paired difference from the fp model's. With
+    `output` (a .md path) also write the Markdown report and a PNG bar chart beside it (the chart only where
+    matplotlib is installed: `report.write_report`)."""
     from quantkit.runtime.loader import model_config, read_quant_config
+
+    if datasets is None:
+        datasets = [] if tasks else ["ptb"]
+    task_docs = {}
+    if tasks:
+        from quantkit.eval.accuracy import load_task_docs
+
+        task_docs = load_task_docs(tasks)  # bad task settings and missing data: before any model loads
+    elif not datasets:
+        raise UserError("nothing to compare: give --dataset (perplexity) or --tasks (accuracy)")
 
     for c in checkpoints:  # "X is not a quantized checkpoint …", a broken config.json: before any evaluation
         read_quant_config(Path(c))
@@ -174,11 +207,17 @@ def compare(fp_model: str | Path, checkpoints: Sequence[str | Path], datasets: S
     _check([fp_model, *checkpoints], kv_bits, kv, device)
     texts = _texts(datasets, data_dir)
     fp = load_engine_model(fp_model, device)
-    settings = _settings(fp, list(dict.fromkeys([16, *kv_bits])), kv, seqlen)
+    # Without perplexity a setting's runner only names its pool (kv_label): one block is enough.
+    pool = seqlen if texts else EngineConfig.block_size
+    settings = _settings(fp, list(dict.fromkeys([16, *kv_bits])), kv, pool)
     for c in checkpoints:
-        settings += _settings(load_engine_model(c, device), kv_bits, kv, seqlen)
+        settings += _settings(load_engine_model(c, device), kv_bits, kv, pool)
     _measure(settings, texts, seqlen, windows, progress, reference=True)
-    result = Comparison([s.row for s in settings], list(texts), seqlen, windows, f"{fp.name} at KV16")
+    if task_docs:
+        _measure_tasks(settings, task_docs, tasks.num_fewshot, kv, device, progress)
+    result = Comparison([s.row for s in settings], list(texts), seqlen, windows, f"{fp.name} at KV16",
+                        tasks=list(task_docs), task_limit=tasks.limit if tasks else None,
+                        num_fewshot=tasks.num_fewshot if tasks else 0)
     del fp, settings
     gc.collect()
     if output is not None:

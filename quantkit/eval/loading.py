@@ -80,9 +80,9 @@ def _device(device: Optional[str]) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def load_engine_model(path: str | Path, device: Optional[str] = None) -> EvalModel:
-    """`path` as the engine's decoder (engine.model.load_decoder, its dtype resolved as the engine does).
-    A .gguf is dequantized into a temporary HF directory first (fp16 on CUDA, fp32 on the CPU)."""
+def load_engine_model(path: str | Path, device: Optional[str] = None, dtype: Any = None) -> EvalModel:
+    """`path` as the engine's decoder (engine.model.load_decoder, `dtype` resolved as the engine does: None is
+    auto). A .gguf is dequantized into a temporary HF directory first (fp16 on CUDA, fp32 on the CPU)."""
     from quantkit.engine.model import load_decoder
     from quantkit.models.loading import ModelLoadError, load_fp_model
 
@@ -90,14 +90,14 @@ def load_engine_model(path: str | Path, device: Optional[str] = None) -> EvalMod
     if not p.exists():
         raise ModelLoadError(f"{p} does not exist: pass a model directory, a .gguf file or a quantkit checkpoint")
     if p.is_dir():
-        model, tokenizer, _ = load_decoder(p, dev)
+        model, tokenizer, _ = load_decoder(p, dev, dtype)
         return _describe(p, model, tokenizer, reference=False)
     loaded = load_fp_model(p, dtype=torch.float16 if dev.type == "cuda" else torch.float32)
     with tempfile.TemporaryDirectory(prefix="quantkit-gguf-") as tmp:
         loaded.model.save_pretrained(tmp)
         loaded.tokenizer.save_pretrained(tmp)
         del loaded
-        model, tokenizer, _ = load_decoder(tmp, dev)
+        model, tokenizer, _ = load_decoder(tmp, dev, dtype)
     return _describe(p, model, tokenizer, reference=False)
 
 

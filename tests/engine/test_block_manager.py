@@ -52,6 +52,18 @@ def test_the_last_token_is_always_computed():
     assert again.num_computed_tokens == BS               # block 2 holds the last token: recomputed for its logits
 
 
+def test_a_scorer_caps_the_cached_prefix_at_the_first_position_it_wants_logits_of():
+    bm = BlockManager(16, BS)
+    computed(bm, list(range(1, 13)))                     # three full blocks registered
+    capped = Sequence(list(range(1, 13)) + [40])
+    assert bm.can_allocate(capped, max_cached_tokens=7)
+    bm.allocate(capped, max_cached_tokens=7)             # logits wanted from position 7 on: block 1 is recomputed
+    assert capped.num_computed_tokens == BS
+    whole = Sequence(list(range(1, 9)))
+    bm.allocate(whole, max_cached_tokens=8)              # no logits wanted: every full block from the cache
+    assert whole.num_computed_tokens == 8 == len(whole)
+
+
 def test_hash_is_chained_over_the_prefix():
     bm = BlockManager(16, BS)
     computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
