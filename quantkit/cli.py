@@ -129,7 +129,8 @@ def fp8(
     rounding: str | None = typer.Option(
         None, "--rounding", help="How weights go onto the e4m3 grid under their absmax/448 scale: nearest (as "
         "llm-compressor; no data) or gptq (error feedback through each linear's input Gram matrix on calibration "
-        "text, the --calib-* flags; the scales and the format are unchanged) (default: nearest)."),
+        "text, the --calib-* flags; the scales and the format are unchanged) (default: gptq with --scheme static, which "
+        "reads calibration text anyway; nearest with dynamic, which then needs no data)."),
     calib_dataset: str | None = CALIB_DATASET,
     calib_samples: int | None = CALIB_SAMPLES,
     calib_seqlen: int | None = CALIB_SEQLEN,

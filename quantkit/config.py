@@ -148,18 +148,20 @@ class Fp8Config:
     time (no calibration data), "static" per tensor with scales measured on calibration text;
     `weight_strategy` is one weight scale per output channel or per tensor; `rounding` puts the weights onto the
     e4m3 grid by "nearest" (llm-compressor's; no data) or "gptq" (error feedback through the inputs' Gram
-    matrices on calibration text, the scales unchanged)."""
+    matrices on calibration text, the scales unchanged). Left unset it is gptq for the static scheme, which
+    reads calibration text anyway, and nearest for the dynamic one, which then needs no data."""
 
     scheme: str = "dynamic"
     weight_strategy: str = "channel"
-    rounding: str = "nearest"
-    gram: str = "fp"  # EXPERIMENT: "fp" inputs or "served" (e4m3-rounded as the scheme rounds them)
+    rounding: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.scheme not in FP8_SCHEMES:
             raise ConfigError(f"--scheme {self.scheme!r} is not supported: choose dynamic or static.")
         if self.weight_strategy not in FP8_WEIGHT_STRATEGIES:
             raise ConfigError(f"--weight-strategy {self.weight_strategy!r} is not supported: choose channel or tensor.")
+        if self.rounding is None:
+            object.__setattr__(self, "rounding", "gptq" if self.scheme == "static" else "nearest")
         if self.rounding not in FP8_ROUNDINGS:
             raise ConfigError(f"--rounding {self.rounding!r} is not supported for fp8: choose nearest or gptq.")
 

@@ -1,10 +1,15 @@
-"""FP8 (e4m3) W8A8 by plain rounding, block by block, as llm-compressor's FP8_DYNAMIC and FP8 schemes do.
+"""FP8 (e4m3) W8A8, block by block, as llm-compressor's FP8_DYNAMIC and FP8 schemes lay it out.
 
-Weights: scale = absmax / 448 per output channel (or per tensor), W / scale rounded to the nearest e4m3
-value. Activations: "dynamic" needs nothing here (they are quantized per token at run time); "static"
+Weights: scale = absmax / 448 per output channel (or per tensor), then W / scale onto the e4m3 grid, either
+to the nearest value (llm-compressor's rounding; no data) or by GPTQ's error feedback (rounding.py): each
+column's rounding error is fed to the columns not yet rounded through the inverse Gram matrix of the
+linear's inputs on calibration text, with the guard that a linear keeps the nearest values where that
+gives the smaller output error Σ δᵀHδ. The scales, and so the checkpoint layout, are the same either way.
+Activations: "dynamic" needs nothing here (they are quantized per token at run time); "static"
 measures each linear's largest |input| over the calibration windows, and its input scale is that / 448.
-The statistics are taken on the blocks as served, their weights already FP8 (the inputs of block i are
-the outputs of the quantized blocks before it); the activations themselves are left unrounded there.
+Statistics are taken on the blocks as served, their weights already FP8 (the inputs of block i are the
+outputs of the quantized blocks before it); the Gram matrices of block i on those inputs through its
+unquantized weights. The activations themselves are left unrounded there.
 """
 
 from __future__ import annotations
@@ -94,28 +99,14 @@ def _static_scales(layer: torch.nn.Module, names: tuple[str, ...], inputs: Block
     return {n: (observer.absmax[n] / E4M3_MAX).clamp_min(FP8_MIN_SCALE).reshape(1) for n in names}
 
 
-def _per_token_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """x rounded onto e4m3 per token (row), as the dynamic scheme serves it."""
-    scale = (x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(FP8_MIN_SCALE)
-    return encode_e4m3(x, scale).float() * scale
-
-
-class _ServedInputStats(InputStats):
-    """EXPERIMENT: the Gram matrix of the inputs rounded per token onto e4m3."""
-
-    def add(self, x: torch.Tensor) -> None:
-        super().add(_per_token_e4m3(x.float()))
-
-
 @torch.no_grad()
-def _input_grams(layer: torch.nn.Module, spec: ArchSpec, inputs: BlockInputs, index: int, served: bool,
+def _input_grams(layer: torch.nn.Module, spec: ArchSpec, inputs: BlockInputs, index: int,
                  ) -> dict[tuple[str, ...], InputStats]:
     """One forward of the unquantized block over every batch: Σ x xᵀ per set of linears sharing an input."""
-    cls = _ServedInputStats if served else InputStats
     stats = {}
     for names in input_sets(spec):
         n = layer.get_submodule(names[0]).in_features
-        stats[names] = cls.empty(n, n, next(layer.parameters()).device, "full")
+        stats[names] = InputStats.empty(n, n, next(layer.parameters()).device, "full")
     gather_block(layer, inputs, index, stats, [], 0, contextlib.nullcontext, keep_outputs=False)
     return stats
 
@@ -181,13 +172,13 @@ def fp8_blocks(model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, w
     if static:
         info["input_scales"] = {}
     if gptq:
-        info["gram"] = fp8.gram
         info["output_error"] = {"nearest": 0.0, "gptq": 0.0, "kept": 0, "linears": 0}
         info["fallbacks"] = []
     report["fp8"] = info
     inputs = capture_inputs(model, spec, windows, config.calib.batch_size, device, dtype) if static or gptq else None
     names = tuple(spec.linears)
-    bar = tqdm(decoder_layers(model, spec), desc=f"FP8 {fp8.scheme}", disable=not progress, unit="block")
+    layers = decoder_layers(model, spec)
+    bar = tqdm(layers, desc=f"FP8 {fp8.scheme}", disable=not progress, unit="block")
     for index, layer in enumerate(bar):
         prefix = f"{spec.layers_path}.{index}"
         blocks.load(index, layer)
@@ -196,7 +187,7 @@ def fp8_blocks(model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, w
         grams = None
         if gptq:
             layer.to(dtype=dtype)
-            grams = _input_grams(layer, spec, inputs, index, served=fp8.gram == "served")
+            grams = _input_grams(layer, spec, inputs, index)
         quantized, errors = _quantize_block(layer, spec, fp8.weight_strategy, grams)
         del grams
         if gptq:
@@ -212,7 +203,7 @@ def fp8_blocks(model: torch.nn.Module, spec: ArchSpec, config: QuantizeConfig, w
             for name, scale in _static_scales(layer, names, inputs, index).items():
                 qweights[f"{prefix}.{name}"].input_scale = scale
                 info["input_scales"][f"{prefix}.{name}"] = scale.item()
-        elif gptq:
+        elif gptq and index + 1 < len(layers):  # the last block's outputs feed nothing quantized
             _propagate(layer, inputs, index)
         yield QuantizedBlock(index, prefix, layer, qweights)
         del qweights

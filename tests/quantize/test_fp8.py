@@ -194,6 +194,11 @@ def test_fp8_refuses_integer_weight_settings_and_needs_text_when_static(tiny_mod
         build_config(method="fp8", format="awq")
     with pytest.raises(ConfigError, match="float-quantized with method rtn"):
         build_config(method="rtn", format="float-quantized")
+    # Unset, the rounding is GPTQ where the scheme reads calibration text anyway, nearest where it needs none.
+    assert build_config(method="fp8", fp8={"scheme": "static"}).fp8.rounding == "gptq"
+    dynamic = build_config(method="fp8")
+    assert dynamic.fp8.rounding == "nearest" and not dynamic.calibrated
+    assert build_config(method="fp8", fp8={"rounding": "gptq"}).calibrated
     with pytest.raises(ConfigError, match="--rounding 'learned' is not supported for fp8"):
         build_config(method="fp8", fp8={"rounding": "learned"})
     for scheme, rounding in (("static", "nearest"), ("dynamic", "gptq")):
