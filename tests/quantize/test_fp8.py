@@ -278,3 +278,12 @@ def test_gptq_export_keeps_the_scales_and_changes_the_codes(exports):
     err = info["output_error"]
     assert err["linears"] == 14 and err["kept"] >= 10 and 0 < err["gptq"] < 0.9 * err["nearest"]
     assert info["fallbacks"] == []
+
+
+def test_e4m3_codes_saturate_at_448():
+    """Fed-back errors can push a weight past the scale's range; its code is ±448 then (a bare cast gives NaN)."""
+    from quantkit.quantize.rounding import nearest_code
+
+    x = torch.tensor([500.0, -1000.0, 3.3, 449.0, -0.0])
+    assert torch.equal(nearest_code(x.clone(), torch.zeros(5), "e4m3"), torch.tensor([448.0, -448.0, 3.25, 448.0, 0.0]))
+    assert torch.equal(nearest_code(torch.tensor([3.3, 20.0]), torch.tensor([8.0, 8.0]), 15), torch.tensor([11.0, 15.0]))
