@@ -127,6 +127,11 @@ def fp8(
     weight_strategy: str | None = typer.Option(
         None, "--weight-strategy", help="One weight scale per output channel or per tensor: channel or tensor "
         "(default: channel)."),
+    rounding: str | None = typer.Option(
+        None, "--rounding", help="How weights go onto the e4m3 grid under their absmax/448 scale: nearest (as "
+        "llm-compressor; no data) or gptq (error feedback through each linear's input Gram matrix on calibration "
+        "text, the --calib-* flags; the scales and the format are unchanged) (default: gptq with --scheme static, which "
+        "reads calibration text anyway; nearest with dynamic, which then needs no data)."),
     calib_dataset: str | None = CALIB_DATASET,
     calib_samples: int | None = CALIB_SAMPLES,
     calib_seqlen: int | None = CALIB_SEQLEN,
@@ -141,7 +146,7 @@ def fp8(
     """FP8 W8A8 (e4m3 weights and activations), written as compressed-tensors float-quantized (what vLLM runs on
     FP8 tensor cores); embeddings and lm_head are kept."""
     _run_quantize(model, work_dir, overwrite, recipe, quiet, method="fp8", device=device,
-                  fp8=dict(scheme=scheme, weight_strategy=weight_strategy),
+                  fp8=dict(scheme=scheme, weight_strategy=weight_strategy, rounding=rounding),
                   calib=dict(dataset=calib_dataset, samples=calib_samples, seqlen=calib_seqlen, seed=seed,
                              data_dir=data_dir, batch_size=batch_size))
 

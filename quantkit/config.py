@@ -19,6 +19,7 @@ FORMATS = ("awq", "compressed-tensors")
 FP8_FORMAT = "float-quantized"
 FP8_SCHEMES = ("dynamic", "static")
 FP8_WEIGHT_STRATEGIES = ("channel", "tensor")
+FP8_ROUNDINGS = ("nearest", "gptq")
 GROUP_SIZES_DOC = "32, 64, 128 or -1 (one group per output channel)"
 # What each on-disk format can hold; the --w-bits help and its refusal say the same.
 WRITABLE_BITS_DOC = "4 (awq or compressed-tensors) or 8 (compressed-tensors)"
@@ -145,16 +146,24 @@ class LearnConfig:
 class Fp8Config:
     """FP8 (e4m3) weights and activations: `scheme` "dynamic" quantizes the activations per token at run
     time (no calibration data), "static" per tensor with scales measured on calibration text;
-    `weight_strategy` is one weight scale per output channel or per tensor."""
+    `weight_strategy` is one weight scale per output channel or per tensor; `rounding` puts the weights onto the
+    e4m3 grid by "nearest" (llm-compressor's; no data) or "gptq" (error feedback through the inputs' Gram
+    matrices on calibration text, the scales unchanged). Left unset it is gptq for the static scheme, which
+    reads calibration text anyway, and nearest for the dynamic one, which then needs no data."""
 
     scheme: str = "dynamic"
     weight_strategy: str = "channel"
+    rounding: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.scheme not in FP8_SCHEMES:
             raise ConfigError(f"--scheme {self.scheme!r} is not supported: choose dynamic or static.")
         if self.weight_strategy not in FP8_WEIGHT_STRATEGIES:
             raise ConfigError(f"--weight-strategy {self.weight_strategy!r} is not supported: choose channel or tensor.")
+        if self.rounding is None:
+            object.__setattr__(self, "rounding", "gptq" if self.scheme == "static" else "nearest")
+        if self.rounding not in FP8_ROUNDINGS:
+            raise ConfigError(f"--rounding {self.rounding!r} is not supported for fp8: choose nearest or gptq.")
 
 
 @dataclass(frozen=True)
@@ -199,9 +208,9 @@ class QuantizeConfig:
 
     @property
     def calibrated(self) -> bool:
-        """Whether the run needs calibration text: AWQ, RTN with learned rounding, static FP8."""
+        """Whether the run needs calibration text: AWQ, RTN with learned rounding, FP8 static or with GPTQ rounding."""
         return (self.method == "awq" or (self.method == "rtn" and self.awq.rounding == "learned")
-                or (self.method == "fp8" and self.fp8.scheme == "static"))
+                or (self.method == "fp8" and (self.fp8.scheme == "static" or self.fp8.rounding == "gptq")))
 
     @property
     def resolved_format(self) -> str:

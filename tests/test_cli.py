@@ -285,13 +285,16 @@ def test_int8_writes_w8_per_channel_compressed_tensors(tiny_models, tmp_path, mo
 def test_fp8_help_and_bad_flags_are_one_line(tiny_models, text_file, tmp_path, monkeypatch, capsys):
     help_text = subprocess.run([sys.executable, "-m", "quantkit.cli", "fp8", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0
-    for flag in ("--scheme", "--weight-strategy", "--calib-dataset", "--work-dir", "--overwrite", "--recipe", "--device"):
+    for flag in ("--scheme", "--weight-strategy", "--rounding", "--calib-dataset", "--work-dir", "--overwrite", "--recipe",
+                 "--device"):
         assert flag in help_text.stdout
     src, out = str(tiny_models["llama"]), str(tmp_path / "o")
     for argv, needles in (
         (["--scheme", "e5m2"], ("--scheme 'e5m2'", "dynamic or static")),
         (["--weight-strategy", "group"], ("--weight-strategy 'group'", "channel or tensor")),
         (["--scheme", "static", "--calib-dataset", str(tmp_path / "none.txt")], ("none.txt",)),
+        (["--rounding", "learned"], ("--rounding 'learned'", "nearest or gptq")),
+        (["--rounding", "gptq", "--calib-dataset", str(tmp_path / "none.txt")], ("none.txt",)),  # dynamic reads it too
     ):
         code, _, err = run_cli(["fp8", src, "--work-dir", out, *argv], monkeypatch, capsys)
         assert_one_line_error(code, err, *needles)
@@ -309,4 +312,6 @@ def test_fp8_writes_float_quantized(tiny_models, text_file, tmp_path, monkeypatc
     group = qc["config_groups"]["group_0"]
     assert qc["format"] == "float-quantized" and group["weights"]["strategy"] == "tensor"
     assert group["input_activations"] == {**group["input_activations"], "strategy": "tensor", "dynamic": False}
-    assert json.loads((out / "quant_report.json").read_text())["calibration"]["samples"] == 4
+    report = json.loads((out / "quant_report.json").read_text())
+    assert report["calibration"]["samples"] == 4
+    assert report["fp8"]["rounding"] == "gptq"  # static's default: it has the calibration text anyway

@@ -106,7 +106,8 @@ def quantize(
     """Quantize a model (path, `LoadedModel` or transformers model + `tokenizer`) under `config`.
 
     `calib` is a dataset name or path, a list of texts, or token windows [n, seqlen]; RTN, int8 and
-    dynamic FP8 need none (RTN with `awq.rounding="learned"` and static FP8 do). With `work_dir` the packed checkpoint is
+    dynamic FP8 need none (RTN with `awq.rounding="learned"`, static FP8 and FP8 with `fp8.rounding="gptq"` do).
+    With `work_dir` the packed checkpoint is
     written there (atomically). KV-cache statistics (quantkit/kv_stats.safetensors) are written from
     the calibration windows, or from `kv_calib` (same forms as `calib`) for any method, measured on
     the quantized blocks.

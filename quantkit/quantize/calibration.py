@@ -167,11 +167,12 @@ class InputStats:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        if not torch.isfinite(x).all():
+        abs_sum = x.abs().sum(0)  # non-finite exactly where x has NaN/Inf (finite inputs cannot reach 3e38)
+        if not torch.isfinite(abs_sum).all():
             # The guard: a set that saw NaN/Inf gets no scaling and no clipping (plain RTN).
             self.nonfinite = True
             return
-        self.abs_sum += x.abs().sum(0)
+        self.abs_sum += abs_sum
         self.count += x.shape[0]
         if self.gram is None:
             return

@@ -15,7 +15,7 @@ import torch
 from quantkit.config import QuantizeConfig
 from quantkit.quantize.calibration import InputStats
 from quantkit.quantize.primitives import QuantizedWeight, quantize_weight
-from quantkit.quantize.rounding import gptq_codes, output_error
+from quantkit.quantize.rounding import gptq_round, output_error
 from quantkit.quantize.search import search_clip
 
 
@@ -40,14 +40,15 @@ def nearest(w: torch.Tensor, stats: InputStats, cfg: QuantizeConfig, clip: bool)
 def error_feedback(ws: list[torch.Tensor], qws: list[QuantizedWeight], stats: InputStats,
                    entries: list[dict[str, Any]], rounded: Optional[list[torch.Tensor]] = None) -> list[QuantizedWeight]:
     """GPTQ codes for linears sharing one input, in one pass over their stacked rows (rows are
-    independent given H, so stacking q, k, v or gate, up is exact and saves a column loop each).
+    independent given H, so stacking q, k, v or gate, up is exact and saves a column loop each), on
+    the grid of their nearest-rounded weights `qws` (integer groups, or e4m3 for `Fp8Weight`s).
 
     `rounded`, when given, receives per linear the weights its codes are the nearest codes of: W with
     the errors fed back where the GPTQ codes are kept, else W (learned rounding starts from them)."""
-    first = qws[0]
+    grids = [q.grid() for q in qws]
     updated = None if rounded is None else torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], device=ws[0].device)
-    codes = gptq_codes(torch.cat(ws), stats.gram, torch.cat([q.scales for q in qws]),
-                       torch.cat([q.zeros for q in qws]), first.bits, first.group_size, updated=updated)
+    codes = gptq_round(torch.cat(ws), stats.gram, torch.cat([g[0] for g in grids]), torch.cat([g[1] for g in grids]),
+                       grids[0][2], qws[0].group_size, updated=updated)
     if codes is None:
         for e in entries:
             e["fallback"] = "Gram matrix not positive definite: nearest rounding"
@@ -57,7 +58,7 @@ def error_feedback(ws: list[torch.Tensor], qws: list[QuantizedWeight], stats: In
     out, row = [], 0
     for w, qw, entry in zip(ws, qws, entries):
         rows = slice(row, row + w.shape[0])
-        candidate = QuantizedWeight(codes[rows], qw.zeros, qw.scales, qw.bits, qw.group_size)
+        candidate = qw.with_codes(codes[rows])
         row += w.shape[0]
         err_nearest = output_error(w, qw.dequantize(), stats.gram)
         err_gptq = output_error(w, candidate.dequantize(), stats.gram)

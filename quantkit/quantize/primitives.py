@@ -8,7 +8,8 @@ z = 2^(bits−1), s = absmax / (2^(bits−1) − 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Union
 
 import torch
 
@@ -31,6 +32,15 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.q, self.zeros, self.scales, self.group_size)
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor, Union[int, str]]:
+        """What error-feedback rounding (rounding.gptq_round) keeps fixed: scales and zeros [out, groups] and the
+        grid, here the integers 0 … 2^bits − 1."""
+        return self.scales, self.zeros, 2**self.bits - 1
+
+    def with_codes(self, codes: torch.Tensor) -> "QuantizedWeight":
+        """The same scales (and zeros) with other codes [out, in] on the same grid."""
+        return replace(self, q=codes.to(torch.int32))
 
 
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:

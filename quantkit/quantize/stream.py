@@ -52,7 +52,8 @@ def _return_freed_host_memory() -> None:
 class BlockPass:
     """The checkpoint's tensors of `loaded` under `config`, produced block by block by `tensors()`.
 
-    `windows` are the calibration windows (None for RTN, unless it learns its rounding, int8 and dynamic FP8);
+    `windows` are the calibration windows (None for RTN, unless it learns its rounding, int8 and dynamic FP8 rounded
+    to nearest);
     `kv_windows`, when given, are the windows whose K/V ranges become `kv_stats`. Phase times go
     into `seconds`."""
 
