@@ -47,6 +47,20 @@ def read_json(path: Path, error: type[UserError] = UserError) -> dict[str, Any]:
         raise error(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
+def read_json_schema(path: Union[str, Path]) -> dict[str, Any]:
+    """A JSON schema from a file (structured output: `generate --json-schema`, `api-client --json-schema`); a
+    UserError naming the file when it cannot be read or holds no object."""
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read the JSON schema {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UserError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise UserError(f"{path} holds a JSON {type(schema).__name__}, not a schema (an object)")
+    return schema
+
+
 @dataclass(frozen=True)
 class WeightQuantConfig:
     """Integer weight quantization: `bits` per weight, one scale (and zero) per `group_size` inputs."""

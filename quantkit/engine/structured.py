@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from quantkit.config import UserError
+from quantkit.config import UserError, read_json_schema
 
 if TYPE_CHECKING:
     import torch
@@ -121,17 +121,8 @@ class StructuredOutput:
 
 
 def read_schema(path: str) -> dict:
-    """A JSON schema from a file; a UserError naming the file when it cannot be read or is not an object."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            schema = json.load(f)
-    except OSError as exc:
-        raise UserError(f"cannot read the JSON schema {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise UserError(f"{path} is not JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise UserError(f"{path} holds a JSON {type(schema).__name__}, not a schema (an object)")
-    return schema
+    """A JSON schema from a file (config.read_json_schema)."""
+    return read_json_schema(path)
 
 
 def _error_text(exc: Exception) -> str:

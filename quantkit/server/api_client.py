@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, TextIO
 from urllib.parse import urlsplit
 
-from quantkit.config import UserError
+from quantkit.config import UserError, read_json_schema
 from quantkit.console import chat_loop
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # one silent gap this long (a long prompt on a slow server) ends the answer
@@ -215,14 +215,7 @@ class ChatOptions:
         from pathlib import Path
 
         path = Path(self.json_schema)
-        try:   # read here, not through the engine's reader: this client needs no torch
-            schema = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise UserError(f"cannot read the JSON schema {path}: {exc.strerror}") from None
-        except ValueError as exc:
-            raise UserError(f"{path} is not JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise UserError(f"{path} holds a JSON {type(schema).__name__}, not a schema (an object)")
+        schema = read_json_schema(path)  # config's reader: this client needs no torch
         return {"type": "json_schema", "json_schema": {"name": path.stem or "answer", "schema": schema}}
 
 

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 import quantkit
-from quantkit import cli
 from quantkit.config import QuantizeConfig, WeightQuantConfig
 from quantkit.eval.compare import compare
+from quantkit_testing.cli_run import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +45,6 @@ def test_compare_table_report_and_chart(checkpoints, text_file, tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_eval_ppl_json(checkpoints, text_file, monkeypatch, capsys):

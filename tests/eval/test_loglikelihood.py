@@ -3,7 +3,6 @@ kind of task (multiple choice, partial scoring, yes/no); sharing contexts throug
 mid-sequence, change no score; the CLI and `compare --tasks` report what the scorer computes."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from quantkit.eval.accuracy import encode_requests, scoring_config, task_result
 from quantkit.eval.loglikelihood import LoglikelihoodScorer
 from quantkit.eval.tasks import TASKS, load_docs
 from quantkit_testing.tiny import make_text
+from quantkit_testing.cli_run import run_cli
 
 
 def _words(rng, n):
@@ -114,17 +114,6 @@ def test_prefix_sharing_and_chunked_steps_change_no_score(task_data, llama):
     assert shared.blocks.num_free_blocks == shared.blocks.num_blocks  # every sequence gave its blocks back
 
 
-def run_cli(monkeypatch, capsys, *args):
-    from quantkit import cli
-
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_eval_tasks_reports_the_scorer_s_figures(task_data, llama, tiny_models, monkeypatch, capsys):

@@ -4,7 +4,6 @@ standard errors, paired differences) by their formulas."""
 
 import json
 import math
-import sys
 
 import pytest
 
@@ -13,6 +12,7 @@ from quantkit.eval import task_data
 from quantkit.eval.accuracy import TaskResult, TaskSettings, paired_difference, pooled_stderr, task_result
 from quantkit.eval.task_data import TaskDataError
 from quantkit.eval.tasks import MMLU_SUBJECTS, TASKS, hellaswag, load_docs, mmlu, winogrande
+from quantkit_testing.cli_run import run_cli
 
 
 def write_rows(root, relative, rows):
@@ -71,17 +71,6 @@ def test_missing_data_is_one_line_naming_the_package_and_the_path(tmp_path, monk
         load_docs(TASKS["hellaswag"])
 
 
-def run_cli(monkeypatch, capsys, *args):
-    from quantkit import cli
-
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("args, message", [
