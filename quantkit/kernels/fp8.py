@@ -51,7 +51,7 @@ def linear(x: Fp8Activations, weight: torch.Tensor, weight_scale: torch.Tensor, 
     the float32 weight the torch reference multiplies (a layer may keep it)."""
     lead, k = x.q.shape[:-1], x.q.shape[-1]
     q = x.q.reshape(-1, k)
-    scale = x.scale.reshape(-1, 1) if x.scale.numel() > 1 or x.scale.dim() > 1 else x.scale.reshape(1)
+    scale = x.scale.reshape(-1, 1) if x.scale.dim() > 1 else x.scale.reshape(1)  # per token [..., 1], or static [1]
     if not runs_kernels(kernels, q.device):
         y = F.linear(q.float() * scale, dequantized().to(q.device))
         y = y if bias is None else y + bias.float()

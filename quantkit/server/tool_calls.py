@@ -30,6 +30,7 @@ call's first arguments, later only more `function.arguments`).
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -71,14 +72,15 @@ class Delta:
         return self
 
 
-class Extractor:
+class Extractor(abc.ABC):
     """Base: every call found whole (`_call`), numbered in order."""
 
     def __init__(self) -> None:
         self.num_calls = 0
 
+    @abc.abstractmethod
     def feed(self, text: str) -> Delta:
-        raise NotImplementedError
+        """What `text`, the next piece of the answer, adds."""
 
     def finish(self) -> Delta:
         return Delta()

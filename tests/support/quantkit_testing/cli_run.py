@@ -1,4 +1,4 @@
-"""`quantkit …` run in this process, as a user runs it: (exit code, stdout, stderr)."""
+"""`quantkit …` run in this process, as a user runs it: (exit code, stdout, stderr), a traceback refused."""
 
 from __future__ import annotations
 
@@ -16,4 +16,6 @@ def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
     except SystemExit as exc:
         code = exc.code
     out = capsys.readouterr()
+    # the CLI's edge: a failure is a one-line error and an exit code, never a traceback
+    assert "Traceback (most recent call last)" not in out.err, out.err[-2000:]
     return code, out.out, out.err

@@ -1,10 +1,10 @@
 #!/bin/bash
 # FP8 W8A8 against fp16 and W4 on one GPU (issue #35), in device calls of under 10 minutes each:
-#   bash bench/fp8_gpu_run.sh OUTDIR kernels   # the linears (bench.fp8_speed --tune: OUTDIR/fp8_table.json), GPU tests
-#   bash bench/fp8_gpu_run.sh OUTDIR engine    # prefill 2,048 + batch-1 decode, bench.throughput 512 × 512/128
-#   bash bench/fp8_gpu_run.sh OUTDIR serve     # quantkit serve fp16 / FP8, bench serve c16,c64; quantkit fp8 on 7B
+#   bash bench/probes/fp8_gpu_run.sh OUTDIR kernels   # the linears (bench.fp8_speed --tune: OUTDIR/fp8_table.json), GPU tests
+#   bash bench/probes/fp8_gpu_run.sh OUTDIR engine    # prefill 2,048 + batch-1 decode, bench.throughput 512 × 512/128
+#   bash bench/probes/fp8_gpu_run.sh OUTDIR serve     # quantkit serve fp16 / FP8, bench serve c16,c64; quantkit fp8 on 7B
 # QUANTKIT_DISPATCH_TABLE=FILE runs the engine parts on the rows the kernels part wrote (else the built-in rows).
-out=${1:?usage: bench/fp8_gpu_run.sh OUTDIR kernels|engine|serve}
+out=${1:?usage: bench/probes/fp8_gpu_run.sh OUTDIR kernels|engine|serve}
 part=${2:?a part}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

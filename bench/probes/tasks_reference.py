@@ -1,6 +1,6 @@
 """`quantkit eval tasks` against lm-evaluation-harness 0.4.13's HF backend on the same documents, offline.
 
-    python -m bench.tasks_reference --lm-eval-python /tmp/lmeval/bin/python --model HF_DIR \
+    python -m bench.probes.tasks_reference --lm-eval-python /tmp/lmeval/bin/python --model HF_DIR \
         [--limit 500 --mmlu-limit 20 --out /tmp/tasks_ref]
 
 lm-eval runs in its own Python (a venv with lm_eval==0.4.13, torch and transformers): this same file, with
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 if not __package__:  # run as a file: import from the repository root as bench.…, so no file of bench/ is a top-level name
     import sys as _sys, pathlib as _pathlib
-    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[1])
+    _sys.path[0] = str(_pathlib.Path(__file__).resolve().parents[2])
 
 import argparse
 import importlib.util
