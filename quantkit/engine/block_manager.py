@@ -140,6 +140,17 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self.num_hashed.pop(seq.arrival, None)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block's key and zero the prefix-cache counters; only while no sequence holds
+        a block (after the engine's warm-up traffic, whose prompts no user sent)."""
+        if len(self.free) != self.num_blocks:
+            raise RuntimeError("the prefix cache is reset only while every block is free")
+        for block in self.blocks:
+            block.key = None
+        self.key_to_block.clear()
+        self.num_hashed.clear()
+        self.prefix_queries = self.prefix_hits = 0
+
     # --- growth -----------------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence) -> bool:

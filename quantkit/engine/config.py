@@ -41,6 +41,16 @@ class EngineConfig:
     # (engine/piecewise.py); 0 runs them eagerly.
     graph_max_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Asynchronous scheduling: step N+1 is scheduled and launched while step N runs, its input ids taken from
+    # step N's sampled tokens on the device; step N's tokens are read back, stop-checked and detokenized behind
+    # it. None: on for CUDA (on the CPU nothing runs behind the host, and every token would come a step late).
+    async_scheduling: Optional[bool] = None
+    # Warm-up traffic at start (engine/warmup.py): synthetic requests that compile every kernel a serving step
+    # can meet before the first user's request. None: on for CUDA (the CPU compiles nothing).
+    warmup: Optional[bool] = None
+    # Where compiled kernels are kept between runs (kernels/compile_cache.py); None: $QUANTKIT_CACHE_DIR, else
+    # ~/.cache/quantkit. Used on CUDA only.
+    cache_dir: Optional[str] = None
     # kv_bits 8/4: "online" scales each token's K/V by its own range; "static" by per-layer per-head scales
     # from calibration statistics (`kv_stats`: a kv_stats.safetensors file, or a directory holding one;
     # Engine(path) takes the checkpoint's own when unset).

@@ -10,10 +10,12 @@ samples one token for each sequence that finished its prompt or decoded, and ret
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence as Seq, Union
@@ -28,7 +30,7 @@ from quantkit.engine.model_runner import ModelRunner
 from quantkit.engine.multimodal import MultiModalPrompt
 from quantkit.engine.sampler import Sampler
 from quantkit.engine.scheduler import Scheduler
-from quantkit.engine.sequence import Sequence
+from quantkit.engine.sequence import PENDING, Sequence
 from quantkit.engine.structured import Grammars, accept
 
 Prompt = Union[str, Seq[int], Seq[dict], MultiModalPrompt]
@@ -67,6 +69,31 @@ class _Request:
     seq: Sequence
     detok: Optional[IncrementalDetokenizer]
     sent: int = 0                        # generated tokens already reported
+    # Its sampling reads its earlier tokens or logits on the host (a grammar, penalties, logprobs): while such
+    # a request runs, each step's tokens are read back before the next step is scheduled.
+    host_sampling: bool = False
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are still on their way from the device (asynchronous
+    scheduling): `seqs` hold PENDING as their last token, each at its row of `tokens`."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor                 # [N] int64 on the device: the next step's inputs read it there
+    host: torch.Tensor                   # [N] their copy on the host (pinned on CUDA), complete after `ready`
+    ready: Optional[Any] = None          # the CUDA event recorded after the copy; None: complete already
+
+    def token_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()     # this step only: the step launched after it keeps running
+        return self.host.tolist()
+
+
+def _needs_host_sampling(seq: Sequence) -> bool:
+    p = seq.params
+    return (seq.grammar is not None or p.logprobs is not None or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -98,6 +125,51 @@ def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]
     return list(tokenizer(text)["input_ids"])
 
 
+class StartPhases:
+    """The engine's start, one log line per phase with its time (`with phases("name"): …`), then the total.
+    On CUDA it first points the compile caches at config.cache_dir and starts counting kernel compilations
+    (kernels/compile_watch.py): `done` marks the engine ready, and a compilation after it is logged."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.start = time.perf_counter()
+        self.cuda = _on_cuda(config.device)
+        if self.cuda:
+            from quantkit.kernels.compile_cache import use_cache_dir
+            from quantkit.kernels.compile_watch import COMPILES
+
+            folder = use_cache_dir(config.cache_dir)
+            log.info("start: compiled kernels are kept in %s", folder)
+            COMPILES.install()
+            self._compiles = COMPILES.total
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        yield
+        log.info("start: %-22s %7.1f s%s", name, time.perf_counter() - began, self._compiled())
+
+    def _compiled(self) -> str:
+        if not self.cuda:
+            return ""
+        from quantkit.kernels.compile_watch import COMPILES
+
+        n, self._compiles = COMPILES.total - self._compiles, COMPILES.total
+        return f"  ({n} kernel specializations compiled or loaded)" if n else ""
+
+    def done(self) -> None:
+        log.info("start: ready in %.1f s", time.perf_counter() - self.start)
+        if self.cuda:
+            from quantkit.kernels.compile_watch import COMPILES
+
+            COMPILES.mark_started()
+
+
+def _on_cuda(device: Optional[str]) -> bool:
+    if device is not None and not str(device).startswith("cuda"):
+        return False
+    return torch.cuda.is_available()
+
+
 class RequestFailed(RuntimeError):
     """A request ended with finish_reason "error" (raised by `stream`); the engine goes on."""
 
@@ -113,11 +185,13 @@ class Engine:
             from quantkit.engine.kv_scales import stats_file_for
 
             config = dataclasses.replace(config, kv_stats=str(stats_file_for(path, config.kv_stats)))
-        model, tokenizer, generation_config = load_decoder(path, config.device, config.dtype)
-        from quantkit.engine.vision import load_vision
+        phases = StartPhases(config)
+        with phases("weights loaded"):
+            model, tokenizer, generation_config = load_decoder(path, config.device, config.dtype)
+            from quantkit.engine.vision import load_vision
 
-        self.vision = load_vision(path, model.device, model.dtype)  # a LLaVA checkpoint's image half, else None
-        self._start(model, tokenizer, generation_config, config)
+            self.vision = load_vision(path, model.device, model.dtype)  # a LLaVA checkpoint's image half, else None
+        self._start(model, tokenizer, generation_config, config, phases)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any = None, config: Optional[EngineConfig] = None,
@@ -125,12 +199,14 @@ class Engine:
         """An engine over a DecoderModel already built (the benchmarks' random-weight models)."""
         engine = cls.__new__(cls)
         engine.vision = None
-        engine._start(model, tokenizer, generation_config, config or EngineConfig())
+        config = config or EngineConfig()
+        engine._start(model, tokenizer, generation_config, config, StartPhases(config))
         return engine
 
-    def _start(self, model: Any, tokenizer: Any, generation_config: Any, config: EngineConfig) -> None:
+    def _start(self, model: Any, tokenizer: Any, generation_config: Any, config: EngineConfig,
+               phases: "StartPhases") -> None:
         self.model, self.tokenizer, self.generation_config, self.config = model, tokenizer, generation_config, config
-        self.runner = ModelRunner(model, config)
+        self.runner = ModelRunner(model, config, phases)
         # The scheduler stops sequences at the context the runner resolved (config, else the model's).
         config = self.config = dataclasses.replace(config, max_model_len=self.runner.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -141,7 +217,26 @@ class Engine:
         self._ids = itertools.count()
         self._grammars: Optional[Grammars] = None   # made with the first request that has a grammar
         self._lock = threading.RLock()          # a host may step in one thread and abort from another
+        use_async = config.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if use_async is None else bool(use_async)
+        self._inflight: Optional[_InFlight] = None
+        warm = config.warmup if config.warmup is not None else self.runner.device.type == "cuda"
+        if warm:
+            from quantkit.engine.warmup import warm_up
 
+            with phases("warm-up traffic"):
+                report = warm_up(self)
+            log.info("start: warm-up traffic was %d requests in %d steps", report.requests, report.steps)
+        phases.done()
+
+    def reset_after_warm_up(self) -> None:
+        """Forget what the warm-up traffic left: its requests' ids, the prefix cache's keys, the counters."""
+        with self._lock:
+            if self._requests or self._inflight is not None or self.scheduler.has_unfinished():
+                raise RuntimeError("the engine is reset only when idle")
+            self.block_manager.reset_prefix_cache()
+            self.scheduler.num_preemptions = 0
+            self.sampler.penalties = type(self.sampler.penalties)()
     # --- requests -----------------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -166,7 +261,7 @@ class Engine:
             # The last call that can refuse (a prompt the pool or max_model_len cannot hold): nothing is
             # left half-added when anything before it raises.
             self.scheduler.add(seq)
-            self._requests[request_id] = _Request(seq, detok)
+            self._requests[request_id] = _Request(seq, detok, host_sampling=_needs_host_sampling(seq))
         return request_id
 
     @property
@@ -205,32 +300,53 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """Counts for monitoring (the server's /metrics): running and waiting sequences, KV blocks used and
-        in the pool, prefix-cache queries and hits (tokens), preemptions. Plain reads, so another thread may
+        in the pool, prefix-cache queries and hits (tokens), preemptions, kernels compiled after start (a gap in
+        the start-up warm-up: kernels/compile_watch.py). Plain reads, so another thread may
         call it while a step runs: it then sees a moment's mix of before and after."""
         bm, sched = self.block_manager, self.scheduler
         return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_blocks_total": bm.num_blocks,
                 "kv_blocks_used": bm.num_blocks - bm.num_free_blocks, "prefix_cache_queries": bm.prefix_queries,
-                "prefix_cache_hits": bm.prefix_hits, "preemptions": sched.num_preemptions}
+                "prefix_cache_hits": bm.prefix_hits, "preemptions": sched.num_preemptions,
+                "kernel_compiles_after_start": _compiles_after_start()}
 
     # --- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; one RequestOutput per request that got a token or finished.
 
+        With asynchronous scheduling (`EngineConfig.async_scheduling`, on by default on CUDA) the step is
+        launched before the previous one's tokens are read back: each call returns the outputs of the step
+        launched by the call before it (the first call returns none), while the device already computes the
+        next. A sequence that a stop token ends gets one step computed past it, which is dropped; max_tokens
+        and the length limit are known on the host and cost nothing. While a request whose sampling needs its
+        tokens on the host runs (a grammar, penalties, logprobs), steps run one at a time as without it.
+
         The forward is shared: when it raises, the step raises (the engine's state is then not trusted).
         Everything after it is one request's own work (sampling its token, appending it, detokenizing,
         checking its stops): a failure there ends that request alone with finish_reason "error"."""
         with self._lock:
+            overlap = self.async_scheduling and not any(r.host_sampling for r in self._requests.values())
+            outputs = [] if overlap else self._collect()
             batch = self.scheduler.schedule()
             if not batch:
+                if self._inflight is not None:   # what is left to do is reading the last step back
+                    return outputs + self._collect()
                 if self.scheduler.has_unfinished():  # a bug, not a user error: never loop on it silently
                     raise RuntimeError(f"the scheduler scheduled nothing with {len(self.scheduler.waiting)} "
                                        f"waiting and {len(self.scheduler.running)} running sequences")
-                return []
-            logits, seqs = self.runner.run(batch)
+                return outputs
+            previous = self._inflight.tokens if self._inflight is not None else None
+            logits, seqs = self.runner.run(batch, previous)
+            if overlap and seqs:
+                launched = self._launch_sample(logits, seqs)
+                if launched is not None:
+                    outputs += self._collect()
+                    self.scheduler.account(batch)
+                    self._inflight = self._pending(launched, seqs)
+                    return outputs
+            outputs += self._collect()
             token_ids, logprobs, errors = self._sample(logits, seqs) if seqs else ([], [], {})
             self.scheduler.account(batch)
-            outputs = []
             for i, seq in enumerate(seqs):
                 try:
                     if i in errors:
@@ -246,6 +362,57 @@ class Engine:
                 if out is not None:
                     outputs.append(out)
             return outputs
+
+    # --- asynchronous scheduling --------------------------------------------------------------------
+
+    def _launch_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Optional[_InFlight]:
+        """The batch's tokens sampled on the device and their copy to the host started, not waited for;
+        None when the batched sampling raised (the caller then samples one by one, to find whose settings
+        failed)."""
+        try:
+            tokens, _ = self.sampler(logits, seqs)
+        except Exception:
+            return None
+        if tokens.device.type != "cuda":
+            return _InFlight([], tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _InFlight([], tokens, host, ready)
+
+    def _pending(self, launched: _InFlight, seqs: list[Sequence]) -> _InFlight:
+        """Append PENDING to each sampled sequence still running (through the scheduler, which ends it now at
+        max_tokens or the length limit: the next step is not scheduled for it)."""
+        for row, seq in enumerate(seqs):
+            if seq.is_finished:               # ended while the step ran (a stop token read back, an abort)
+                continue
+            self.scheduler.append(seq, PENDING)
+            seq.pending_row = row
+            launched.seqs.append(seq)
+        return launched
+
+    def _collect(self) -> list[RequestOutput]:
+        """Read back the step in flight's tokens (waiting for that step alone) and finish its work on the
+        host: each PENDING replaced by its token, stop tokens, detokenizing, stop strings, outputs."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return []
+        token_ids = flight.token_ids()
+        outputs = []
+        for seq in flight.seqs:
+            token_id = token_ids[seq.pending_row]
+            seq.token_ids[len(seq.token_ids) - 1] = token_id
+            seq.pending_row = None
+            try:
+                if token_id in seq.stop_ids:
+                    self.scheduler.finish(seq, "stop", token_id if token_id in seq.params.stop_token_ids else None)
+                out = self._advance(seq, token_id)
+            except Exception as exc:  # this request's fault alone: end it, keep stepping the others
+                out = self._fail(seq, exc)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list, dict[int, Exception]]:
         """The batch's tokens and logprobs, and {index: exception} of the sequences whose sampling failed.
@@ -372,6 +539,12 @@ class Engine:
         finally:
             if not finished:
                 self.abort(rid)
+
+
+def _compiles_after_start() -> int:
+    from quantkit.kernels.compile_watch import COMPILES
+
+    return COMPILES.after_start
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -9,6 +9,7 @@ prompt tokens replays piecewise graphs around its eager attention (engine/piecew
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -24,6 +25,7 @@ from quantkit.engine.attention import AttnMetadata
 from quantkit.engine.kv_scales import pool_static_scales
 from quantkit.engine.layers import use_kernels
 from quantkit.engine.multimodal import step_embeds
+from quantkit.engine.sampler import pinned_copy
 from quantkit.kernels.capture import graph_warmup
 from quantkit.kernels.paged_kv import PagedKV
 
@@ -71,7 +73,9 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     """Owns the model's KV pool and runs it on scheduled batches."""
 
-    def __init__(self, model: torch.nn.Module, config) -> None:
+    def __init__(self, model: torch.nn.Module, config, phases: Optional[Callable[[str], Any]] = None) -> None:
+        """`phases(name)`: a context manager timing each start-up phase (the engine's StartPhases)."""
+        phases = phases or (lambda name: contextlib.nullcontext())
         self.model, self.config = model, config
         use_kernels(model, config.kernels)
         self.device, self.dtype = model.device, model.dtype
@@ -79,14 +83,17 @@ class ModelRunner:
         self.num_layers, self.kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, model.max_positions)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-        self.num_blocks = self._allocate_pool()
-        self._warmup_pool()
+        with phases("KV pool, prefill kernels"):
+            self.num_blocks = self._allocate_pool()
+            self._warmup_pool()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.piecewise: Optional[piecewise.PiecewiseGraphs] = None
         self.use_graphs = bool(config.cuda_graphs) and self.device.type == "cuda"
         if self.use_graphs:
-            self.capture_graphs()
-            self.capture_piecewise()
+            with phases("decode graphs"):
+                self.capture_graphs()
+            with phases("prefill graphs"):
+                self.capture_piecewise()
 
     @staticmethod
     def _resolve_max_model_len(requested: Optional[int], max_positions: int) -> int:
@@ -182,20 +189,29 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def prepare(self, batch) -> StepInputs:
-        """Flat token ids, positions and attention metadata for the scheduled (sequence, new tokens) pairs."""
+    def prepare(self, batch, previous: Optional[torch.Tensor] = None) -> StepInputs:
+        """Flat token ids, positions and attention metadata for the scheduled (sequence, new tokens) pairs.
+        `previous`: the sampled token ids [N] (on the device) of the step still in flight, whose row
+        `seq.pending_row` is the input of each decode whose last token is PENDING."""
         ids, positions, slots, tables, context_lens, query_start = [], [], [], [], [], [0]
         sample_rows, sampled = [], []
+        pending_rows, pending_src = [], []
         bs = self.block_size
         for seq, n in batch:
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
             if n == 1:  # a decode: most of a large step's sequences
+                if seq.pending_row is not None:
+                    pending_rows.append(len(ids))
+                    pending_src.append(seq.pending_row)
                 ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                if seq.has_pending:  # the scheduler admits no prompt whose last token is still on the device
+                    raise RuntimeError(f"sequence {seq.request_id} was scheduled {n} tokens while its last token "
+                                       "is still being sampled")
                 ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -206,15 +222,19 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 sampled.append(seq)
         padded = _pad_tables(tables)
-        # Two host-to-device copies per step (each one waits for the device): the 1-D int64 fields
-        # travel together and are cut apart on the device.
-        t, b, n = len(ids), len(tables), len(sample_rows)
-        flat = torch.tensor(ids + positions + slots + context_lens + query_start + sample_rows,
-                            dtype=torch.long).to(self.device)
-        ids_d, pos_d, slots_d, ctx_d, qs_d, rows_d = flat.split([t, t, t, b, b + 1, n])
+        # Two host-to-device copies per step, from pinned memory so that neither waits for the step in flight:
+        # the 1-D int64 fields travel together and are cut apart on the device.
+        t, b, n, p = len(ids), len(tables), len(sample_rows), len(pending_rows)
+        if p and previous is None:
+            raise RuntimeError("a step reads tokens still being sampled, but no step is in flight")
+        flat = pinned_copy(torch.tensor(ids + positions + slots + context_lens + query_start + sample_rows
+                                            + pending_rows + pending_src, dtype=torch.long), self.device)
+        ids_d, pos_d, slots_d, ctx_d, qs_d, rows_d, prow_d, psrc_d = flat.split([t, t, t, b, b + 1, n, p, p])
+        if p:
+            ids_d[prow_d] = previous[psrc_d]
         meta = AttnMetadata(
             slot_mapping=slots_d,
-            block_tables=padded.to(self.device),
+            block_tables=pinned_copy(padded, self.device),
             context_lens=ctx_d.to(torch.int32),
             query_start=qs_d.to(torch.int32),
             is_decode=all(n == 1 for _, n in batch),
@@ -237,10 +257,11 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, step.meta, input_embeds=step.input_embeds)
 
     @torch.no_grad()
-    def run(self, batch) -> tuple[Optional[torch.Tensor], list]:
+    def run(self, batch, previous: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], list]:
         """Forward one scheduled batch: (float32 logits [N, vocab] of the sequences that get a token this
-        step, those sequences). Logits are None when no sequence samples (only partial prompt chunks)."""
-        step = self.prepare(batch)
+        step, those sequences). Logits are None when no sequence samples (only partial prompt chunks).
+        `previous`: the step in flight's sampled tokens on the device (see `prepare`)."""
+        step = self.prepare(batch, previous)
         graphable = step.meta.is_decode and len(step.sampled) == len(batch) and step.input_embeds is None
         bucket = self._bucket(len(step.sampled)) if graphable else None
         if bucket is not None:

@@ -146,6 +146,20 @@ def _pairs(rows_tokens: list[tuple[int, list[int]]], vocab: int, device: torch.d
     return tuple(pairs.to(device))
 
 
+def pinned_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """host's copy on `device`: on CUDA through pinned memory, queued behind the work on the stream rather
+    than waiting for it (a copy from pageable memory blocks the host until the stream is idle, which would
+    stall asynchronous scheduling on the step in flight)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(values: list, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A small tensor of `values` (a step's sampling settings) on `device`, by `pinned_copy`."""
+    return pinned_copy(torch.tensor(values, dtype=dtype), device)
+
+
 def hold_back_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """-inf on the end and stop tokens of the sequences that have fewer than their min_tokens out. Returns
     logits itself when none has, else a masked copy."""
@@ -155,7 +169,7 @@ def hold_back_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         return logits
     logits = logits.clone()
     for i in rows:
-        ids = torch.tensor(sorted(seqs[i].stop_ids), dtype=torch.long, device=logits.device)
+        ids = to_device(sorted(seqs[i].stop_ids), logits.device, torch.long)
         logits[i, ids[ids < logits.shape[1]]] = float("-inf")
     return logits
 
@@ -202,17 +216,16 @@ class Sampler:
 
     @staticmethod
     def _greedy_mask(temps: list[float], device) -> torch.Tensor:
-        return torch.tensor([t < GREEDY_BELOW for t in temps], device=device)
+        return to_device([t < GREEDY_BELOW for t in temps], device)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([max(s.params.temperature, GREEDY_BELOW) for s in seqs], device=dev)
+        temps = to_device([max(s.params.temperature, GREEDY_BELOW) for s in seqs], dev)
         logits = logits / temps[:, None]
         if any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0 for s in seqs):
             logits = filter_logits(
-                logits, torch.tensor([s.params.top_k for s in seqs], device=dev),
-                torch.tensor([s.params.top_p for s in seqs], device=dev),
-                torch.tensor([s.params.min_p for s in seqs], device=dev))
+                logits, to_device([s.params.top_k for s in seqs], dev), to_device([s.params.top_p for s in seqs], dev),
+                to_device([s.params.min_p for s in seqs], dev))
         probs = logits.softmax(dim=1)
         return (probs / self._exponential(probs, seqs)).argmax(dim=1)
 

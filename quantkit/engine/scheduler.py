@@ -115,7 +115,7 @@ class Scheduler:
         # A step that had to preempt admits nobody: the freed blocks are the preempted sequences' to take back.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            if seq.has_pending or not self.block_manager.can_allocate(seq):  # its last token is not back yet
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)

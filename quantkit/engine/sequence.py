@@ -8,6 +8,11 @@ from typing import Optional, Union
 
 from quantkit.engine.config import SamplingParams
 
+# The id a sequence holds for a token sampled by a step still running on the device (asynchronous scheduling,
+# engine/llm_engine.py): the next step reads the token from the device, and the engine writes it here when the
+# step's tokens come back.
+PENDING = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()   # no blocks: not yet admitted, or preempted (its cache is recomputed when readmitted)
@@ -42,6 +47,7 @@ class Sequence:
         self.generator = None                           # the sampler's torch.Generator for a seeded request
         self.images = None                              # multimodal.ImageInputs of a prompt with images
         self.grammar = None                             # XGrammar's matcher when params.structured is set
+        self.pending_row: Optional[int] = None          # the row of its PENDING token in the step in flight
         eos = [] if self.params.ignore_eos else self.params.eos_token_ids
         self.stop_ids = frozenset(self.params.stop_token_ids) | frozenset(eos)
 
@@ -55,6 +61,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether its last token is PENDING: sampled by the step in flight, not yet read back."""
+        return self.pending_row is not None
 
     @property
     def num_output_tokens(self) -> int:

@@ -51,6 +51,15 @@ def serve(
                                          "at start, padded to 16 … 2048-token buckets); 0 runs them eagerly."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", help="Reuse the KV blocks "
                                         "of prompts' common prefixes (chat history, system prompts)."),
+    async_scheduling: bool | None = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule "
+                                                 "and launch each step while the one before it runs, its tokens "
+                                                 "read back behind it (default: on with CUDA)."),
+    warmup: bool | None = typer.Option(None, "--warmup/--no-warmup", help="Before /health says ready, run "
+                                       "synthetic requests that compile every kernel a step can meet (default: "
+                                       "on with CUDA)."),
+    cache_dir: str | None = typer.Option(None, "--cache-dir", metavar="DIR", help="Where compiled kernels are "
+                                         "kept between runs, so that a restart starts warm (default: "
+                                         "$QUANTKIT_CACHE_DIR, else ~/.cache/quantkit)."),
     allow_origins: list[str] = typer.Option([], "--allow-origin", help="Let browser pages from this origin call "
                                             "the API (CORS), e.g. http://127.0.0.1:6006; '*' for any "
                                             "(repeatable)."),
@@ -119,7 +128,8 @@ def serve(
                            cache_max_entry_count=cache_max_entry_count, num_kv_tokens=num_kv_tokens,
                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_model_len=max_model_len, cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens,
-                           enable_prefix_caching=prefix_caching)
+                           enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, warmup=warmup,
+                           cache_dir=cache_dir)
     run_serve(ServeConfig(model=model, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           max_queue=max_queue, tokenizer=tokenizer, engine=engine, allow_origins=allow_origins,
                           shutdown_timeout=shutdown_timeout, access_log=access_log,

@@ -84,6 +84,9 @@ class ServerMetrics:
                round(s["prefix_cache_hits"] / max(s["prefix_cache_queries"], 1), 6))
         metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks (recomputed later).",
                s["preemptions"])
+        metric("kernel_compiles_after_start_total", "counter", "Kernel specializations compiled after the engine "
+               "was ready (a step shape the start-up warm-up missed; each cost a request its time).",
+               s.get("kernel_compiles_after_start", 0))
         metric("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", self.prompt_tokens)
         metric("generation_tokens_total", "counter", "Output tokens sent.", self.generation_tokens)
         metric("requests_rejected_queue_full_total", "counter", "Requests answered 429 (queue full).",

@@ -24,9 +24,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in (7, 20, 33)]
 
 
-@pytest.fixture
-def eng(tiny_models) -> Engine:
-    return Engine(tiny_models["llama"], EngineConfig(device="cpu", num_kv_tokens=1024))
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def eng(tiny_models, request) -> Engine:
+    """Both ways of stepping: each step's tokens read back before the next, or asynchronous scheduling."""
+    return Engine(tiny_models["llama"], EngineConfig(device="cpu", num_kv_tokens=1024, async_scheduling=request.param))
 
 
 def run_all(eng: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, object]:
