@@ -82,8 +82,8 @@ def test_steps_carry_their_lengths_on_the_host(tiny_models):
     eng = engine(tiny_models["llama"], max_num_batched_tokens=24)
     prepare, mixed = eng.runner.prepare, []
 
-    def checked(batch):
-        step = prepare(batch)
+    def checked(batch, previous=None):
+        step = prepare(batch, previous)
         meta = step.meta
         assert meta.host_lens == (meta.query_start.tolist(), meta.context_lens.tolist())
         if meta.prefill is not None:

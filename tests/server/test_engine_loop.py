@@ -160,7 +160,7 @@ def test_a_failed_forward_reaches_every_request_in_flight(tiny_models):
 
     eng = Engine(tiny_models["llama"], EngineConfig(device="cpu", num_kv_tokens=1024))
 
-    def broken_run(batch):
+    def broken_run(batch, previous=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     eng.runner.run = broken_run
