@@ -1,8 +1,10 @@
 #!/bin/bash
 # Issue #38 on one GPU, in device calls of under 10 minutes each:
-#   bash bench/probes/async_gpu_run.sh engine OUT   # bench.engine_async (sync vs async, b1/c64, passes) + KV4 vs KV8 b32×4k + ncu
-#   bash bench/probes/async_gpu_run.sh serve OUT    # quantkit serve 7B W4: ready time cold/warm caches (KV16, KV8),
-#                                                   # bench serve c1,16,64 first and second pass (needs .whl carried)
+#   bash bench/probes/async_gpu_run.sh engine OUT   # bench.engine_async (sync vs async, b1/c64, passes), ncu of the
+#                                                   # KV8/KV4 decode kernels at b32 x 4k, their tile sweep, FP8 GPU tests
+#   bash bench/probes/async_gpu_run.sh serve OUT    # KV4 vs KV8 decode at b32 x 4k; quantkit serve 7B W4: ready time with
+#                                                   # cold/warm caches (KV16, KV8), bench serve c1,16,64 first and second
+#                                                   # pass (needs .whl carried)
 set -u
 part=${1:?usage: bench/probes/async_gpu_run.sh engine|serve OUT}
 out=${2:?an output folder}
@@ -15,18 +17,18 @@ left() { echo $(( $1 - ($(date +%s) - began) )); }
 case $part in
 engine)
   export PYTHONPATH=$PWD
-  timeout "$(left 300)" python3 -m bench.engine_async --passes --out "$out/engine_async.json" 2>&1 | grep -v "^Loading\|it/s" | tee "$out/engine_async.log"
+  timeout "$(left 420)" python3 -m bench.engine_async --passes --out "$out/engine_async.json" 2>&1 | grep -v "^Loading\|it/s" | tee "$out/engine_async.log"
   echo "engine_async done at $(( $(date +%s) - began )) s"
   for bits in 8 4; do   # the decode kernel at b32 x 4k under Nsight Compute (clocks left alone)
-    timeout "$(left $(( bits == 8 ? 350 : 400 )))" ncu --clock-control none --kernel-name regex:decode --launch-skip 10 \
+    timeout "$(left $(( bits == 8 ? 460 : 500 )))" ncu --clock-control none --kernel-name regex:decode --launch-skip 10 \
       --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats python3 bench/probes/paged_attention.py --shape llama2-7b --batches 32 --contexts 4096 \
       --max-model-len 4096 --bits $bits > "$out/ncu_kv$bits.txt" 2>&1
     grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Size|Grid Size|Theoretical Occ|L1/TEX Hit|L2 Hit|Stall|Warp Cycles Per Issued" "$out/ncu_kv$bits.txt" | sed "s/^/kv$bits /"
   done
-  timeout "$(left 470)" python3 bench/probes/paged_attention.py --variants --sweep --cases 7b-b32 --out "$out" 2>&1 | tail -60
+  timeout "$(left 555)" python3 bench/probes/paged_attention.py --variants --sweep --cases 7b-b32 --out "$out" 2>&1 | tail -60
   echo "variants done at $(( $(date +%s) - began )) s"
-  timeout "$(left 570)" python3 -m bench.long_context --part long --cases b32-4k --kv-bits 8,4 --out "$out/kv4_kv8.json" 2>&1 | tail -8
+  timeout "$(left 590)" python3 -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider 2>&1 | tail -5
   ;;
 serve)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -43,6 +45,8 @@ serve)
     echo "$1 ready after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
   }
   stop_server() { kill -TERM -$pid 2>/dev/null; for _ in $(seq 120); do kill -0 $pid 2>/dev/null || return; sleep 0.25; done; kill -9 -$pid; }
+  timeout 200 python3 -m bench.long_context --part long --cases b32-4k --kv-bits 8,4 --out "$out/kv4_kv8.json" 2>&1 | tail -8
+  echo "long_context done at $(( $(date +%s) - began )) s"
   start_server kv16_cold 16 /tmp/cache_a || exit 1
   for pass in 1 2; do
     python3 -m quantkit.cli bench serve http://127.0.0.1:24000 --concurrency 1,16,64 --input-len 512 --output-len 128 \
