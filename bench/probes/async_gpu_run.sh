@@ -17,18 +17,11 @@ left() { echo $(( $1 - ($(date +%s) - began) )); }
 case $part in
 engine)
   export PYTHONPATH=$PWD
-  timeout "$(left 420)" python3 -m bench.engine_async --passes --out "$out/engine_async.json" 2>&1 | grep -v "^Loading\|it/s" | tee "$out/engine_async.log"
+  timeout "$(left 400)" python3 -m bench.engine_async --passes --shapes llama2-7b,internlm2-1.8b,llama3-8b \
+    --out "$out/engine_async.json" 2>&1 | grep -v "^Loading\|it/s" | tee "$out/engine_async.log" | cut -c1-3000
   echo "engine_async done at $(( $(date +%s) - began )) s"
-  for bits in 8 4; do   # the decode kernel at b32 x 4k under Nsight Compute (clocks left alone)
-    timeout "$(left $(( bits == 8 ? 460 : 500 )))" ncu --clock-control none --kernel-name regex:decode --launch-skip 10 \
-      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats python3 bench/probes/paged_attention.py --shape llama2-7b --batches 32 --contexts 4096 \
-      --max-model-len 4096 --bits $bits > "$out/ncu_kv$bits.txt" 2>&1
-    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Size|Grid Size|Theoretical Occ|L1/TEX Hit|L2 Hit|Stall|Warp Cycles Per Issued" "$out/ncu_kv$bits.txt" | sed "s/^/kv$bits /"
-  done
-  timeout "$(left 555)" python3 bench/probes/paged_attention.py --variants --sweep --cases 7b-b32 --out "$out" 2>&1 | tail -60
-  echo "variants done at $(( $(date +%s) - began )) s"
-  timeout "$(left 590)" python3 -m pytest -q -m gpu tests/gpu/test_gpu_fp8.py -p no:cacheprovider 2>&1 | tail -5
+  timeout "$(left 520)" python3 bench/probes/kv4_occupancy.py --out "$out/kv4_occupancy.json" 2>&1 | tail -45
+  echo "kv4 probe done at $(( $(date +%s) - began )) s"
   ;;
 serve)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -127,8 +127,8 @@ def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]
 
 class StartPhases:
     """The engine's start, one log line per phase with its time (`with phases("name"): …`), then the total.
-    On CUDA it first points the compile caches at config.cache_dir and starts counting kernel compilations
-    (kernels/compile_watch.py): `done` marks the engine ready, and a compilation after it is logged."""
+    On CUDA it first points the compile caches at config.cache_dir; each line counts the kernel specializations
+    built in it (kernels/compile_watch.py), and `done` marks the engine ready: one built after that is logged."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.start = time.perf_counter()
@@ -139,7 +139,6 @@ class StartPhases:
 
             folder = use_cache_dir(config.cache_dir)
             log.info("start: compiled kernels are kept in %s", folder)
-            COMPILES.install()
             self._compiles = COMPILES.total
 
     @contextlib.contextmanager

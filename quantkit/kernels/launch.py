@@ -16,6 +16,8 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
+from quantkit.kernels.compile_watch import COMPILES
+
 
 def interpreted() -> bool:
     """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET set)."""
@@ -78,6 +80,7 @@ class KeptKernel:
         self.fn = fn
         self.kept: dict = {}
         self.disabled = False  # set when the launcher refused a direct call
+        self.compiled: set[int] = set()  # ids of the compiled kernels the front end has returned (Triton keeps them)
 
     def kept_for(self, args: tuple, **options) -> bool:
         """Whether a launch with these arguments and options would find a kept compiled kernel: it has
@@ -93,6 +96,9 @@ class KeptKernel:
                 return
             self.disabled, self.kept = True, {}
         ck = compiled_form(self.fn[grid](*args, **options))
+        if ck is not None and id(ck) not in self.compiled:  # a specialization new to this process
+            self.compiled.add(id(ck))
+            COMPILES.seen(getattr(self.fn, "__name__", None) or getattr(getattr(self.fn, "fn", None), "__name__", "?"))
         if ck is not None and not self.disabled:
             if len(self.kept) >= self.MAX_KEPT:
                 self.kept.clear()

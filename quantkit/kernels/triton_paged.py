@@ -306,11 +306,12 @@ def decode_variant(group: int, bits: int, kernel: str | None = None, preferred: 
 
 def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens: Tensor, sm_scale: float,
                            partitions: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                           kernel: str | None = None) -> Tensor:
+                           kernel: str | None = None, maxnreg: int | None = None) -> Tensor:
     """Triton form of paged_kv.paged_decode_attention; `partitions` overrides `num_partitions`, and
     `block_n` (tokens per tile) and `num_warps` the variant's tile settings (dot: 64 and 4, rows:
     triton_paged_rows.BLOCK_N and NUM_WARPS);
-    `kernel` picks the variant (`decode_variant`)."""
+    `kernel` picks the variant (`decode_variant`); `maxnreg` caps the registers per thread (more programs
+    resident per SM: the occupancy probe bench/probes/kv4_occupancy.py)."""
     batch, heads, d = q.shape
     if d % 2:
         raise ValueError(f"the paged decode kernel needs an even head_dim, not {d}")
@@ -346,7 +347,8 @@ def paged_decode_attention(q: Tensor, cache, block_tables: Tensor, context_lens:
     launch((batch, kv_heads, partitions), (  # every parameter of decode_kernel, in order
         q, cache.k, cache.v, ks, kz, vs, vz, block_tables, context_lens, out, part_out, part_m, part_l,
         sm_scale * LOG2E, kv_heads, heads, partitions, q.stride(0), q.stride(1), block_tables.stride(0),
-        group, block_g, d // 2, block_half, cache.block_size, block_n, bits, split), num_warps=num_warps)
+        group, block_g, d // 2, block_half, cache.block_size, block_n, bits, split), num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     if split:
         # BLOCK_P fixed at the most partitions there are (64): one compiled merge for every batch size, so an
         # eager step with a new number of decodes compiles nothing

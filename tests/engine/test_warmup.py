@@ -81,32 +81,35 @@ def test_engine_config_warms_up_at_start(tiny_models, caplog):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks and not eng._requests
 
 
-def test_compile_watch_counts_and_names_late_compilations(caplog):
-    watch, calls = CompileWatch(), []
-    watch._previous = lambda **kw: calls.append(kw["fn"].name)
+def test_compile_watch_counts_new_specializations_met_after_start(caplog, monkeypatch):
+    """KeptKernel reports each compiled kernel the front end returns for the first time; after the engine is
+    ready such a first sight is counted and logged with the kernel's name."""
+    from quantkit.kernels import launch
 
-    class Info:
-        name = "decode_kernel"
+    class Compiled:  # what Triton's front end returns: one object per specialization
+        run = function = packed_metadata = None
 
-    watch._hook(key=1, repr="decode_kernel[num_warps=4](...)", fn=Info())
+    specializations: dict = {}
+
+    class Front:  # a kernel whose front end specializes on its first argument's value
+        __name__ = "decode_kernel"
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: specializations.setdefault(args[0], Compiled())
+
+    watch = CompileWatch()
+    monkeypatch.setattr(launch, "COMPILES", watch)
+    monkeypatch.setattr(launch, "hooks_set", lambda: True)   # every launch through the front end
+    kernel = launch.KeptKernel(Front())
+    kernel((1,), (7,))
+    kernel((1,), (7,))
     assert (watch.total, watch.after_start) == (1, 0)
     watch.mark_started()
     with caplog.at_level(logging.WARNING, logger="quantkit.kernels.compile_watch"):
-        watch._hook(key=2, repr="decode_kernel[...]", fn=Info())
+        kernel((1,), (7,))
+        kernel((1,), (8,))
     assert (watch.total, watch.after_start) == (2, 1) and watch.names["decode_kernel"] == 2
     assert "decode_kernel met a new specialization after start" in caplog.text
-    assert calls == ["decode_kernel", "decode_kernel"]   # the hook it replaced still runs
-
-
-def test_compile_watch_installs_in_front_of_tritons_hook():
-    knobs = pytest.importorskip("triton.knobs")
-    before = knobs.runtime.jit_post_compile_hook
-    watch = CompileWatch()
-    try:
-        assert watch.install() and knobs.runtime.jit_post_compile_hook == watch._hook
-        assert watch._previous is before and watch.install()   # a second install changes nothing
-    finally:
-        knobs.runtime.jit_post_compile_hook = before
 
 
 def test_cache_dir_holds_tritons_and_inductors_caches(tmp_path, monkeypatch):
