@@ -5,8 +5,9 @@
 #   bash bench/probes/async_gpu_run.sh serve OUT    # KV4 vs KV8 decode at b32 x 4k; quantkit serve 7B W4: ready time with
 #                                                   # cold/warm caches (KV16, KV8), bench serve c1,16,64 first and second
 #                                                   # pass (needs .whl carried)
+#   bash bench/probes/async_gpu_run.sh all OUT      # what of both fits one call (7B W4/fp16 and 1.8B; no KV4 engine run)
 set -u
-part=${1:?usage: bench/probes/async_gpu_run.sh engine|serve OUT}
+part=${1:?usage: bench/probes/async_gpu_run.sh engine|serve|all OUT}
 out=${2:?an output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -23,6 +24,15 @@ engine)
   timeout "$(left 520)" python3 bench/probes/kv4_occupancy.py --out "$out/kv4_occupancy.json" 2>&1 | tail -45
   echo "kv4 probe done at $(( $(date +%s) - began )) s"
   ;;
+all)
+  # One call when the device budget allows one only: engine (7B W4/fp16, 1.8B W4), KV4 probe, then serve.
+  PYTHONPATH=$PWD timeout "$(left 250)" python3 -m bench.engine_async --passes --shapes llama2-7b,internlm2-1.8b \
+    --out "$out/engine_async.json" 2>&1 | grep -v "^Loading\|it/s" | tee "$out/engine_async.log" | cut -c1-2500
+  echo "engine_async done at $(( $(date +%s) - began )) s"
+  PYTHONPATH=$PWD timeout "$(left 310)" python3 bench/probes/kv4_occupancy.py --out "$out/kv4_occupancy.json" 2>&1 \
+    | grep "best\|regs - \|regs  128 n128\|regs   96 n128" | head -30
+  echo "kv4 probe done at $(( $(date +%s) - began )) s"
+  quick=1 ;&
 serve)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -38,8 +48,10 @@ serve)
     echo "$1 ready after $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
   }
   stop_server() { kill -TERM -$pid 2>/dev/null; for _ in $(seq 120); do kill -0 $pid 2>/dev/null || return; sleep 0.25; done; kill -9 -$pid; }
-  timeout 200 python3 -m bench.long_context --part long --cases b32-4k --kv-bits 8,4 --out "$out/kv4_kv8.json" 2>&1 | tail -8
-  echo "long_context done at $(( $(date +%s) - began )) s"
+  if [ -z "${quick:-}" ]; then
+    timeout 200 python3 -m bench.long_context --part long --cases b32-4k --kv-bits 8,4 --out "$out/kv4_kv8.json" 2>&1 | tail -8
+    echo "long_context done at $(( $(date +%s) - began )) s"
+  fi
   start_server kv16_cold 16 /tmp/cache_a || exit 1
   for pass in 1 2; do
     python3 -m quantkit.cli bench serve http://127.0.0.1:24000 --concurrency 1,16,64 --input-len 512 --output-len 128 \
@@ -47,8 +59,8 @@ serve)
   done
   stop_server
   start_server kv16_warm 16 /tmp/cache_a; stop_server
-  start_server kv8_cold 8 /tmp/cache_b; stop_server
-  start_server kv8_warm 8 /tmp/cache_b; stop_server
+  [ "$(left 590)" -gt 150 ] && { start_server kv8_cold 8 /tmp/cache_b; stop_server; }
+  [ "$(left 590)" -gt 40 ] && { start_server kv8_warm 8 /tmp/cache_b; stop_server; }
   grep -h "start:" "$out"/server_*.log | head -60
   ;;
 esac
