@@ -44,7 +44,8 @@ def engine_main(model: str, config: Any, tokenizer: Optional[str], commands, out
     ("fatal", message)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries: warnings, as the server
+    logging.getLogger("quantkit").setLevel(log_level)                  # ours at the server's level (start-up phases)
     from quantkit.server.model_source import load_engine
 
     try:
@@ -77,7 +78,7 @@ class _Incarnation:
         ctx = multiprocessing.get_context("spawn")    # a fresh interpreter: no CUDA or threads inherited
         cmd_recv, self.cmd_send = ctx.Pipe(duplex=False)
         self.out_recv, out_send = ctx.Pipe(duplex=False)
-        level = logging.getLogger().getEffectiveLevel()
+        level = logging.getLogger("quantkit").getEffectiveLevel()
         self.proc = ctx.Process(target=engine_main, name="quantkit-engine",
                                 args=(model, config, tokenizer, cmd_recv, out_send, level, before_step))
         self._child_ends = (cmd_recv, out_send)
