@@ -25,13 +25,11 @@ engine)
   echo "kv4 probe done at $(( $(date +%s) - began )) s"
   ;;
 all)
-  # One call when the device budget allows one only: engine (7B W4/fp16, 1.8B W4), KV4 probe, then serve.
-  PYTHONPATH=$PWD timeout "$(left 250)" python3 -m bench.engine_async --passes --shapes llama2-7b,internlm2-1.8b \
+  # One call when the device budget allows one only (about 7 minutes): engine (7B W4 and fp16), then serve
+  # (KV16 cold and warm, first and second pass, KV8 cold if time is left), then the KV4 probe with what is left.
+  PYTHONPATH=$PWD timeout "$(left 200)" python3 -m bench.engine_async --passes --shapes llama2-7b \
     --out "$out/engine_async.json" 2>&1 | grep -v "^Loading\|it/s" | tee "$out/engine_async.log" | cut -c1-2500
   echo "engine_async done at $(( $(date +%s) - began )) s"
-  PYTHONPATH=$PWD timeout "$(left 310)" python3 bench/probes/kv4_occupancy.py --out "$out/kv4_occupancy.json" 2>&1 \
-    | grep "best\|regs - \|regs  128 n128\|regs   96 n128" | head -30
-  echo "kv4 probe done at $(( $(date +%s) - began )) s"
   quick=1 ;&
 serve)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -59,9 +57,14 @@ serve)
   done
   stop_server
   start_server kv16_warm 16 /tmp/cache_a; stop_server
-  [ "$(left 590)" -gt 150 ] && { start_server kv8_cold 8 /tmp/cache_b; stop_server; }
-  [ "$(left 590)" -gt 40 ] && { start_server kv8_warm 8 /tmp/cache_b; stop_server; }
+  limit=$([ -n "${quick:-}" ] && echo 400 || echo 590)
+  [ "$(left $limit)" -gt 120 ] && { start_server kv8_cold 8 /tmp/cache_b; stop_server; }
+  [ "$(left $limit)" -gt 40 ] && [ -z "${quick:-}" ] && { start_server kv8_warm 8 /tmp/cache_b; stop_server; }
   grep -h "start:" "$out"/server_*.log | head -60
+  if [ -n "${quick:-}" ] && [ "$(left 440)" -gt 30 ]; then
+    PYTHONPATH=$PWD timeout "$(left 440)" python3 bench/probes/kv4_occupancy.py --out "$out/kv4_occupancy.json" 2>&1 \
+      | grep "best\|regs - \|regs  128 n128\|regs   96 n128" | head -30
+  fi
   ;;
 esac
 echo "total $(( $(date +%s) - began )) s"
