@@ -57,8 +57,11 @@ def dequantize_packed(
 
 
 def fp8_activation_scale(x: torch.Tensor) -> torch.Tensor:
-    """Per-token scales [..., 1], float32: each token's largest |x| / 448 (floored at FP8_MIN_SCALE)."""
-    return (x.float().abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(FP8_MIN_SCALE)
+    """Per-token scales [..., 1], float32: each token's largest |x| / 448 (floored at FP8_MIN_SCALE), divided
+    exactly: by a tensor, since CUDA torch turns a division by a Python number into a product with its
+    reciprocal (one bit off at times; the Triton kernels divide correctly rounded)."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    return (amax / amax.new_full((), E4M3_MAX)).clamp_min(FP8_MIN_SCALE)
 
 
 def quantize_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
