@@ -52,3 +52,26 @@ def test_the_kv_flags_reach_the_engine_config(command, tmp_path, engine_config_o
     assert result.exit_code == 0, result.output
     (config,) = seen
     assert (config.kv_bits, config.kv_scales, config.kv_stats, config.kv_rotation) == (4, "static", stats, "none")
+
+
+def test_serve_scheduling_warmup_and_cache_flags_reach_the_engine_config(tmp_path, engine_config_of, monkeypatch,
+                                                                         capsys):
+    from quantkit_testing.cli_run import run_cli
+
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    seen, argv = engine_config_of("serve")
+    cache = tmp_path / "cache"
+    result = CliRunner().invoke(app, [*argv, "--device", "cpu", "--no-async-scheduling", "--warmup",
+                                      "--cache-dir", str(cache)])
+    assert result.exit_code == 0, result.output
+    (config,) = seen
+    assert (config.async_scheduling, config.warmup, config.cache_dir) == (False, True, str(cache))
+    assert (cache / "triton").is_dir()
+    result = CliRunner().invoke(app, [*argv, "--device", "cpu"])
+    assert (seen[-1].async_scheduling, seen[-1].warmup, seen[-1].cache_dir) == (None, None, None)  # CUDA decides
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run_cli(monkeypatch, capsys, *argv, "--device", "cpu", "--cache-dir", blocker / "cache")
+    assert code != 0 and "cannot write there" in err and len(err.strip().splitlines()) == 1
+    assert len(seen) == 2                      # refused before the server was started

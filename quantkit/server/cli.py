@@ -122,6 +122,10 @@ def serve(
     from quantkit.server.launch import ServeConfig
     from quantkit.server.launch import serve as run_serve
 
+    if cache_dir is not None:   # an unwritable folder: one line now, not an engine that fails to start
+        from quantkit.kernels.compile_cache import use_cache_dir
+
+        use_cache_dir(cache_dir)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # other libraries' notes: warnings only
     logging.getLogger("quantkit").setLevel(logging.WARNING if quiet else logging.INFO)
     engine = engine_config(kv_bits, kv_scales, kv_stats, kv_rotation, device, dtype,
