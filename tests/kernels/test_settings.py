@@ -42,7 +42,8 @@ def test_nothing_in_the_package_reads_the_variables_but_from_env():
                       ast.FunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
         for node in ast.walk(tree):
             if (id(node) not in docstrings and isinstance(node, ast.Constant) and isinstance(node.value, str) and "QUANTKIT_" in node.value
-                    and not any(other in node.value for other in ("QUANTKIT_DATA_DIR", "QUANTKIT_API_KEY"))):
+                    and not any(other in node.value for other in ("QUANTKIT_DATA_DIR", "QUANTKIT_API_KEY",
+                                                                  "QUANTKIT_CACHE_DIR"))):
                 readers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert readers and all(r.startswith("kernels/settings.py:") for r in readers), readers
 
