@@ -126,7 +126,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         del engine
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -32,6 +32,7 @@ from quantkit.engine.sampler import Sampler
 from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import PENDING, Sequence
 from quantkit.engine.structured import Grammars, accept
+from quantkit.kernels.compile_watch import COMPILES
 
 Prompt = Union[str, Seq[int], Seq[dict], MultiModalPrompt]
 log = logging.getLogger(__name__)
@@ -133,13 +134,11 @@ class StartPhases:
     def __init__(self, config: EngineConfig) -> None:
         self.start = time.perf_counter()
         self.cuda = _on_cuda(config.device)
+        self._compiles = COMPILES.total
         if self.cuda:
             from quantkit.kernels.compile_cache import use_cache_dir
-            from quantkit.kernels.compile_watch import COMPILES
 
-            folder = use_cache_dir(config.cache_dir)
-            log.info("start: compiled kernels are kept in %s", folder)
-            self._compiles = COMPILES.total
+            log.info("start: compiled kernels are kept in %s", use_cache_dir(config.cache_dir))
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -148,18 +147,12 @@ class StartPhases:
         log.info("start: %-22s %7.1f s%s", name, time.perf_counter() - began, self._compiled())
 
     def _compiled(self) -> str:
-        if not self.cuda:
-            return ""
-        from quantkit.kernels.compile_watch import COMPILES
-
         n, self._compiles = COMPILES.total - self._compiles, COMPILES.total
         return f"  ({n} kernel specializations compiled or loaded)" if n else ""
 
     def done(self) -> None:
         log.info("start: ready in %.1f s", time.perf_counter() - self.start)
         if self.cuda:
-            from quantkit.kernels.compile_watch import COMPILES
-
             COMPILES.mark_started()
 
 
@@ -229,13 +222,13 @@ class Engine:
         phases.done()
 
     def reset_after_warm_up(self) -> None:
-        """Forget what the warm-up traffic left: its requests' ids, the prefix cache's keys, the counters."""
+        """Forget what the warm-up traffic left: the prefix cache's keys and the counters."""
         with self._lock:
             if self._requests or self._inflight is not None or self.scheduler.has_unfinished():
                 raise RuntimeError("the engine is reset only when idle")
             self.block_manager.reset_prefix_cache()
             self.scheduler.num_preemptions = 0
-            self.sampler.penalties = type(self.sampler.penalties)()
+
     # --- requests -----------------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -306,7 +299,7 @@ class Engine:
         return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_blocks_total": bm.num_blocks,
                 "kv_blocks_used": bm.num_blocks - bm.num_free_blocks, "prefix_cache_queries": bm.prefix_queries,
                 "prefix_cache_hits": bm.prefix_hits, "preemptions": sched.num_preemptions,
-                "kernel_compiles_after_start": _compiles_after_start()}
+                "kernel_compiles_after_start": COMPILES.after_start}
 
     # --- one step -----------------------------------------------------------------------------------
 
@@ -538,12 +531,6 @@ class Engine:
         finally:
             if not finished:
                 self.abort(rid)
-
-
-def _compiles_after_start() -> int:
-    from quantkit.kernels.compile_watch import COMPILES
-
-    return COMPILES.after_start
 
 
 def _progress_bar(total: int, enabled: bool):

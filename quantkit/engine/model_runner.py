@@ -202,7 +202,7 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             if n == 1:  # a decode: most of a large step's sequences
-                if seq.pending_row is not None:
+                if seq.has_pending:
                     pending_rows.append(len(ids))
                     pending_src.append(seq.pending_row)
                 ids.append(seq.token_ids[start])

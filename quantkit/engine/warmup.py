@@ -13,15 +13,12 @@ prefix cache and the counters are reset: the traffic leaves nothing a user can s
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from quantkit.engine.config import SamplingParams
-
-log = logging.getLogger(__name__)
 
 # Prompt lengths cycled through: both sides of the 16-token specializations and of block-table widths 1, 16, 17.
 PROMPT_LENGTHS = (1, 2, 15, 16, 17, 33, 100, 255, 256, 257, 300, 511)
@@ -38,9 +35,9 @@ class WarmupReport:
 def traffic(max_num_seqs: int, budget: int, max_model_len: int, pool_tokens: int,
             width: int = WIDTH) -> list[tuple[int, int]]:
     """(prompt length, max_tokens) per request, in the order they are added (each once the one before it has been
-    prefilled). Each request decodes
-    until every later one has been prefilled (a long prompt takes several steps' budgets), so the prefills meet
-    every decode count from 1 up to the number of requests − 1; the whole fits half the pool (no preemption)."""
+    prefilled). Each request decodes until every later one has been prefilled (a long prompt takes several steps'
+    budgets), so the prefills meet every decode count from 1 up to the number of requests − 1; the whole fits half
+    the pool (no preemption)."""
     width = max(1, min(width, max_num_seqs - 1))
     per_step = max(1, budget - width)            # prompt tokens a step has room for beside the decodes
     lengths: list[int] = []
@@ -94,6 +91,4 @@ def warm_up(engine, width: int = WIDTH, seed: int = 0) -> WarmupReport:
         engine.step()
         steps += 1
     engine.reset_after_warm_up()
-    report = WarmupReport(len(ids), steps, time.perf_counter() - start)
-    log.debug("warm-up traffic: %d requests, %d steps, %.1f s", report.requests, report.steps, report.seconds)
-    return report
+    return WarmupReport(len(ids), steps, time.perf_counter() - start)

@@ -81,6 +81,7 @@ class KeptKernel:
         self.kept: dict = {}
         self.disabled = False  # set when the launcher refused a direct call
         self.compiled: set[int] = set()  # ids of the compiled kernels the front end has returned (Triton keeps them)
+        self.name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
 
     def kept_for(self, args: tuple, **options) -> bool:
         """Whether a launch with these arguments and options would find a kept compiled kernel: it has
@@ -98,7 +99,7 @@ class KeptKernel:
         ck = compiled_form(self.fn[grid](*args, **options))
         if ck is not None and id(ck) not in self.compiled:  # a specialization new to this process
             self.compiled.add(id(ck))
-            COMPILES.seen(getattr(self.fn, "__name__", None) or getattr(getattr(self.fn, "fn", None), "__name__", "?"))
+            COMPILES.seen(self.name)
         if ck is not None and not self.disabled:
             if len(self.kept) >= self.MAX_KEPT:
                 self.kept.clear()
